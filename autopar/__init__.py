@@ -1,0 +1,17 @@
+"""autopar: compiler-style auto-parallelization of PyTorch models.
+
+    spec = autopar.MeshSpec((8, 8), names=("dp", "tp"), hardware="h100")
+    plan = autopar.plan(model, spec, example_inputs, loss_fn=loss_fn)
+    pmodel = autopar.parallelize(model, device_mesh, loss_fn=loss_fn)
+"""
+
+from .api import PlanMismatchError, parallelize, plan
+from .hardware import A100, CPU, H100, H200, PROFILES, HardwareProfile, Link, get_profile
+from .mesh import MeshSpec
+from .plan import Collective, OpEntry, Plan, PlanCost
+
+__all__ = [
+    "A100", "CPU", "H100", "H200", "PROFILES", "Collective", "HardwareProfile", "Link",
+    "MeshSpec", "OpEntry", "Plan", "PlanCost", "PlanMismatchError", "get_profile", "parallelize",
+    "plan",
+]

@@ -1,0 +1,99 @@
+"""Placements of a tensor on a device mesh, and the shapes and slices they imply.
+
+A tensor's placement is a tuple with one entry per mesh dimension, using PyTorch's own classes:
+`Replicate()`, `Shard(dim)` or `Partial("sum")`. When several mesh dimensions shard the same tensor
+dimension, the lower mesh dimension is the outer one (as in DTensor): the chunk a rank holds is
+numbered ``i_a * n_b + i_b`` for mesh dimensions ``a < b``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+R = Replicate()
+P = Partial()
+Placements = tuple[Placement, ...]
+
+__all__ = [
+    "P", "Partial", "Placement", "Placements", "R", "Replicate", "Shard", "fmt", "is_partial",
+    "is_shard", "local_shape", "local_slices", "parse", "shard_dims", "shard_factor",
+]
+
+
+def is_shard(p: Placement, dim: int | None = None) -> bool:
+    """True if `p` is Shard (on `dim`, when given)."""
+    return isinstance(p, Shard) and (dim is None or p.dim == dim)
+
+
+def is_partial(p: Placement) -> bool:
+    """True if `p` is a pending sum."""
+    return isinstance(p, Partial)
+
+
+def shard_dims(placements: Placements, dim: int) -> list[int]:
+    """Mesh dimensions that shard tensor dimension `dim`, outer first."""
+    return [k for k, p in enumerate(placements) if is_shard(p, dim)]
+
+
+def shard_factor(placements: Placements, mesh_shape: Sequence[int], dim: int) -> int:
+    """Number of pieces tensor dimension `dim` is cut into."""
+    f = 1
+    for k in shard_dims(placements, dim):
+        f *= mesh_shape[k]
+    return f
+
+
+def divisible(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
+    """True if every sharded dimension splits evenly (autopar only plans even splits)."""
+    for p in placements:
+        if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
+            return False
+    return all(shape[d] % shard_factor(placements, mesh_shape, d) == 0 for d in range(len(shape)))
+
+
+def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple:
+    """The shape each rank holds of a tensor of global `shape` (even splits)."""
+    return tuple(s // shard_factor(placements, mesh_shape, d) for d, s in enumerate(shape))
+
+
+def local_slices(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int],
+                 coords: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, length) per tensor dimension of the block held by the rank at mesh `coords`."""
+    out = []
+    for d, size in enumerate(shape):
+        index, pieces = 0, 1
+        for k in shard_dims(placements, d):
+            index = index * mesh_shape[k] + coords[k]
+            pieces *= mesh_shape[k]
+        length = size // pieces
+        out.append((index * length, length))
+    return out
+
+
+def fmt(placements: Placements) -> str:
+    """Compact text: 'S(0)R' for (Shard(0), Replicate()), 'P' for Partial."""
+    return "".join("R" if isinstance(p, Replicate) else "P" if isinstance(p, Partial)
+                   else f"S({p.dim})" for p in placements)
+
+
+def parse(text: str) -> Placements:
+    """Inverse of `fmt`."""
+    out: list[Placement] = []
+    i = 0
+    while i < len(text):
+        if text[i] == "R":
+            out.append(R)
+            i += 1
+        elif text[i] == "P":
+            out.append(P)
+            i += 1
+        elif text.startswith("S(", i):
+            j = text.index(")", i)
+            out.append(Shard(int(text[i + 2:j])))
+            i = j + 1
+        else:
+            raise ValueError(f"cannot parse placements {text!r}")
+    return tuple(out)

@@ -1,0 +1,159 @@
+"""Rewrite the traced graph into the program one rank runs: local shapes, explicit collectives.
+
+Every node runs its chosen strategy on local shards (through its rule's lowering when the op
+cannot run unchanged). On each edge whose producer's placement differs from what the consumer
+requires, the resharding steps of `autopar.solver.reshard` are emitted as calls to the
+collective functions the caller supplies (`CommOps`), so this pass never imports the runtime.
+A producer resharded to the same placement for several consumers is resharded once.
+
+Two programs come out of one plan: the training program returns the loss as each rank holds it
+(its placement tells the runtime how to seed backward and report it), and the inference program
+returns the model's outputs whole.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.solver.reshard import plan_steps
+
+from .placement import Placements, R, local_shape
+from .rules import LOWERINGS, LocalContext, TensorArg
+from .strategies import CONSTANT, Strategy, StrategyGraph
+from .trace import TracedProgram
+
+
+class CommOps(Protocol):
+    """Autograd-aware collectives over one mesh dimension, supplied by the runtime."""
+
+    def all_gather(self, x: torch.Tensor, dim: int, mesh_dim: int) -> torch.Tensor: ...
+    def reduce_scatter(self, x: torch.Tensor, dim: int, mesh_dim: int) -> torch.Tensor: ...
+    def all_reduce(self, x: torch.Tensor, mesh_dim: int) -> torch.Tensor: ...
+    def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int,
+                   mesh_dim: int) -> torch.Tensor: ...
+
+
+@dataclass
+class LocalPrograms:
+    """The per-rank programs and what the runtime needs to call them."""
+
+    train: fx.GraphModule | None      # (*placeholders) -> local loss
+    infer: fx.GraphModule             # (*placeholders without the target) -> flat outputs
+    placeholders: list[str]           # traced placeholder names, in call order
+    loss_placement: Placements | None
+
+
+def _slice(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    return x.narrow(dim, start, length)
+
+
+def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Strategy],
+            coords: tuple[int, ...], comm: CommOps) -> LocalPrograms:
+    """Build the local programs for the rank at mesh `coords`."""
+    mesh_shape = graph.mesh_shape
+    g = fx.Graph()
+    local: dict[tuple[str, Any], fx.Node] = {}  # (node, out index) -> local value node
+    resharded: dict[tuple[str, Any, Placements], fx.Node] = {}
+    placeholders = []
+
+    def value(name: str, idx) -> fx.Node:
+        key = (name, idx)
+        if key not in local:
+            base = local[(name, None)]
+            local[key] = g.call_function(operator.getitem, (base, idx))
+        return local[key]
+
+    def reshard(name: str, idx, shape, src: Placements, dst: Placements) -> fx.Node:
+        key = (name, idx, dst)
+        if key in resharded:
+            return resharded[key]
+        x = value(name, idx)
+        for step in plan_steps(shape, src, dst, mesh_shape):
+            k = step.mesh_dim
+            if step.kind == "all_gather":
+                x = g.call_function(comm.all_gather, (x, step.dim, k))
+            elif step.kind == "reduce_scatter":
+                x = g.call_function(comm.reduce_scatter, (x, step.dim, k))
+            elif step.kind == "all_reduce":
+                x = g.call_function(comm.all_reduce, (x, k))
+            elif step.kind == "all_to_all":
+                x = g.call_function(comm.all_to_all, (x, step.dim, step.src_dim, k))
+            else:
+                length = step.out_shape[step.dim]
+                x = g.call_function(_slice, (x, step.dim, coords[k] * length, length))
+        resharded[key] = x
+        return x
+
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            placeholders.append(node.name)
+            ph = g.placeholder(node.name)
+            # Parameters arrive as their local storage shard, constants and user inputs whole.
+            local[(node.name, None)] = ph
+            continue
+        if node.op == "output":
+            continue
+        if node.target is operator.getitem:
+            continue
+        snode = graph.nodes[node.name]
+        strat = choice[node.name]
+        local_inputs = []
+        for slot, (src_name, idx) in enumerate(snode.inputs):
+            src = choice[src_name].out(idx)
+            local_inputs.append(reshard(src_name, idx, snode.in_shapes[slot], src,
+                                        strat.inputs[slot]))
+        call = snode.call
+        it = iter(local_inputs)
+        args = pytree.tree_map(lambda a: next(it) if _is_tensor_arg(a) else a, call.args)
+        kwargs = pytree.tree_map(lambda a: next(it) if _is_tensor_arg(a) else a, call.kwargs)
+        outs = strat.output if snode.multi_output else (strat.output,)
+        ctx = LocalContext(mesh_shape, coords, strat.inputs, strat.output,
+                           [local_shape(s, p, mesh_shape) for s, p in zip(snode.out_shapes, outs)])
+        lower = LOWERINGS.get(node.target) if snode.kind != CONSTANT else None
+        target, args, kwargs = lower(call, args, kwargs, ctx) if lower else (
+            node.target, args, kwargs)
+        new = g.call_function(target, tuple(args), dict(kwargs))
+        new.meta["source"] = snode.source
+        local[(node.name, None)] = new
+
+    def finish(outputs: list) -> fx.GraphModule:
+        gg = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for n in g.nodes:
+            env[n] = gg.node_copy(n, lambda a: env[a])
+        gg.output(pytree.tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, outputs))
+        gm = fx.GraphModule(torch.nn.Module(), gg)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return gm
+
+    model_outs = []
+    for ref in graph.outputs:
+        name, idx = ref
+        sn = graph.nodes[name]
+        shape = sn.out_shapes[idx or 0]
+        src = choice[name].out(idx)
+        model_outs.append(reshard(name, idx, shape, src, tuple(R for _ in mesh_shape)))
+    infer = finish(model_outs)
+    train, loss_placement = None, None
+    if graph.loss is not None:
+        name, idx = graph.loss
+        loss_placement = choice[name].out(idx)
+        train = finish([value(name, idx)])
+    if program.has_loss:  # the inference program takes no target
+        target = program.inputs[-1]
+        for n in list(infer.graph.nodes):
+            if n.op == "placeholder" and n.name == target and not n.users:
+                infer.graph.erase_node(n)
+        infer.recompile()
+    return LocalPrograms(train, infer, placeholders, loss_placement)
+
+
+def _is_tensor_arg(a) -> bool:
+    return isinstance(a, TensorArg)

@@ -1,0 +1,120 @@
+"""Embedding lookups and the cross-entropy loss.
+
+An embedding table can be split by rows (vocabulary parallel: each rank looks up the tokens it
+owns, zeros elsewhere, and the output is a pending sum), by columns (hidden), or the lookups can be
+split with the indices. Cross-entropy with a mean over the batch is a pending sum when the batch
+is sharded: each rank sums its rows' losses and divides by the global count of counted targets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..placement import local_slices
+from .registry import P, R, LocalContext, OpCall, Rule1D, Shard, aten, lowering, register
+
+
+@register(aten.embedding.default)
+def embedding(call: OpCall) -> list[Rule1D]:
+    """embedding(weight (V, H), indices (...))."""
+    idx = call.inputs[1]
+    rules = [Rule1D((R, Shard(j)), Shard(j)) for j in range(idx.ndim)]
+    rules += [
+        Rule1D((Shard(1), R), Shard(idx.ndim)),
+        Rule1D((Shard(0), R), P),
+        Rule1D((R, R), R),
+    ]
+    return rules
+
+
+def _vocab_parallel_embedding(weight, indices, start: int, length: int):
+    """Look up the rows this rank owns; other tokens give zeros (summed across ranks later)."""
+    owned = (indices >= start) & (indices < start + length)
+    local = torch.where(owned, indices - start, torch.zeros_like(indices))
+    return F.embedding(local, weight) * owned.unsqueeze(-1).to(weight.dtype)
+
+
+@lowering(aten.embedding.default)
+def lower_embedding(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """Vocabulary-parallel lookup when the table's rows are sharded."""
+    if not any(isinstance(p, Shard) and p.dim == 0 for p in ctx.in_placements[0]):
+        return call.target, args, kwargs
+    start, length = local_slices(call.inputs[0].shape, ctx.in_placements[0], ctx.mesh_shape,
+                                 ctx.coords)[0]
+    return _vocab_parallel_embedding, (args[0], args[1], start, length), {}
+
+
+_MEAN, _SUM, _NONE = 1, 2, 0
+
+
+@register(aten.cross_entropy_loss.default)
+def cross_entropy(call: OpCall) -> list[Rule1D]:
+    """cross_entropy(input (N, C), target (N,), weight=None, reduction, ignore_index, smoothing)."""
+    x = call.inputs[0]
+    rules = [Rule1D(tuple(R for _ in call.inputs), R)]
+    if x.ndim != 2 or len(call.inputs) != 2:  # class weights or spatial losses: replicated only
+        return rules
+    reduction = call.arg(3, "reduction", _MEAN)
+    if reduction == _MEAN:
+        rules.insert(0, Rule1D((Shard(0), R), P))
+    elif reduction == _SUM:
+        rules.insert(0, Rule1D((Shard(0), Shard(0)), P))
+    else:
+        rules.insert(0, Rule1D((Shard(0), Shard(0)), Shard(0)))
+    return rules
+
+
+def _cross_entropy_rows(x, target, start: int, length: int, ignore_index: int, smoothing: float):
+    """This rank's share of the mean loss: its rows' sum over the global count of targets."""
+    rows = target.narrow(0, start, length)
+    total = F.cross_entropy(x, rows, reduction="sum", ignore_index=ignore_index,
+                            label_smoothing=smoothing)
+    return total / (target != ignore_index).sum()
+
+
+@lowering(aten.cross_entropy_loss.default)
+def lower_cross_entropy(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """Batch-sharded mean: divide by the global number of counted targets."""
+    if call.arg(3, "reduction", _MEAN) != _MEAN or ctx.out_placements == tuple(
+            R for _ in ctx.out_placements):
+        return call.target, args, kwargs
+    start, length = local_slices(call.inputs[0].shape, ctx.in_placements[0], ctx.mesh_shape,
+                                 ctx.coords)[0]
+    return _cross_entropy_rows, (args[0], args[1], start, length,
+                                 call.arg(4, "ignore_index", -100),
+                                 call.arg(5, "label_smoothing", 0.0)), {}
+
+
+@register(aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
+          aten.huber_loss.default)
+def elementwise_loss(call: OpCall) -> list[Rule1D]:
+    """Losses that average an elementwise term: any dimension may be sharded; a mean or sum
+    becomes a pending sum (a mean scaled by the rank's share of the elements)."""
+    x = call.inputs[0]
+    reduction = call.arg(2, "reduction", _MEAN)
+    out = (lambda d: Shard(d)) if reduction == _NONE else (lambda d: P)
+    rules = [Rule1D(tuple(Shard(d) for _ in call.inputs), out(d)) for d in range(x.ndim)
+             if all(t.shape == x.shape for t in call.inputs)]
+    return rules + [Rule1D(tuple(R for _ in call.inputs), R)]
+
+
+def _scaled(fn, scale: float):
+    def local(*args, **kwargs):
+        return fn(*args, **kwargs) * scale
+    local.__name__ = f"{getattr(fn, '__name__', 'op')}_times_{scale:g}"
+    return local
+
+
+@lowering(aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
+          aten.huber_loss.default)
+def lower_elementwise_loss(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """A sharded mean counts for the rank's share of the elements."""
+    if call.arg(2, "reduction", _MEAN) != _MEAN:
+        return call.target, args, kwargs
+    pieces = 1
+    for k, p in enumerate(ctx.in_placements[0]):
+        if isinstance(p, Shard):
+            pieces *= ctx.mesh_shape[k]
+    return (_scaled(call.target, 1.0 / pieces), args, kwargs) if pieces > 1 else (
+        call.target, args, kwargs)

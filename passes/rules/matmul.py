@@ -1,0 +1,107 @@
+"""Matrix products: linear, addmm, mm, bmm, matmul.
+
+On one mesh dimension a product x @ w can be split four ways: by the rows of x (data or sequence
+parallel), by the columns of w (Megatron column parallel), by the contracted dimension (row
+parallel: each rank holds a pending sum), or not at all. A bias is added once: under a pending
+sum only the rank at coordinate 0 adds it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import (
+    P, R, LocalContext, OpCall, Rule1D, Shard, aten, dedupe, lowering, register,
+)
+
+
+def _bias_once_placements(ctx: LocalContext) -> bool:
+    """True if this rank must skip the bias: the output is a pending sum on some mesh dimension
+    where this rank is not the first."""
+    return any(isinstance(p, type(P)) and ctx.coords[k] != 0
+               for k, p in enumerate(ctx.out_placements))
+
+
+@register(aten.linear.default)
+def linear(call: OpCall) -> list[Rule1D]:
+    """y = x @ w.T + b with x (..., K), w (N, K), b (N)."""
+    x = call.inputs[0]
+    has_bias = len(call.inputs) == 3
+    b = (R,) if has_bias else ()
+    rules = []
+    for d in range(x.ndim - 1):  # batch-like dimensions of x
+        rules.append(Rule1D((Shard(d), R, *b), Shard(d)))
+    rules.append(Rule1D((R, Shard(0), *((Shard(0),) if has_bias else ())), Shard(x.ndim - 1)))
+    rules.append(Rule1D((Shard(x.ndim - 1), Shard(1), *b), P))
+    rules.append(Rule1D((P, R, *b), P))
+    rules.append(Rule1D((R, R, *b), R))
+    return rules
+
+
+@register(aten.addmm.default)
+def addmm(call: OpCall) -> list[Rule1D]:
+    """y = b + x @ w with b (N) or (M, N), x (M, K), w (K, N)."""
+    b = call.inputs[0]
+    b_rows = Shard(0) if b.ndim == 2 else R
+    b_cols = Shard(b.ndim - 1)
+    return [
+        Rule1D((b_rows, Shard(0), R), Shard(0)),
+        Rule1D((b_cols, R, Shard(1)), Shard(1)),
+        Rule1D((R, Shard(1), Shard(0)), P),
+        Rule1D((R, P, R), P),
+        Rule1D((R, R, R), R),
+    ]
+
+
+@register(aten.mm.default)
+def mm(call: OpCall) -> list[Rule1D]:
+    """y = a @ b with a (M, K), b (K, N)."""
+    return [
+        Rule1D((Shard(0), R), Shard(0)),
+        Rule1D((R, Shard(1)), Shard(1)),
+        Rule1D((Shard(1), Shard(0)), P),
+        Rule1D((P, R), P),
+        Rule1D((R, P), P),
+        Rule1D((R, R), R),
+    ]
+
+
+@register(aten.bmm.default, aten.matmul.default)
+def batched(call: OpCall) -> list[Rule1D]:
+    """Batched product with broadcast batch dimensions: a (..., M, K), b (..., K, N)."""
+    a, b = call.inputs
+    n = call.out_ndim
+    rules = []
+    for d in range(n - 2):  # batch dimensions, aligned from the right
+        ja, jb = d - (n - a.ndim), d - (n - b.ndim)
+        pa = Shard(ja) if ja >= 0 and a.shape[ja] == call.out_shape[d] else R
+        pb = Shard(jb) if jb >= 0 and b.shape[jb] == call.out_shape[d] else R
+        rules.append(Rule1D((pa, pb), Shard(d)))
+    if a.ndim >= 2:
+        rules.append(Rule1D((Shard(a.ndim - 2), R), Shard(n - 2)))
+        if b.ndim >= 2:
+            rules.append(Rule1D((Shard(a.ndim - 1), Shard(b.ndim - 2)), P))
+    if b.ndim >= 2:
+        rules.append(Rule1D((R, Shard(b.ndim - 1)), Shard(n - 1)))
+    rules += [Rule1D((P, R), P), Rule1D((R, P), P), Rule1D((R, R), R)]
+    return dedupe(rules)
+
+
+@lowering(aten.linear.default)
+def lower_linear(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """Add the bias on one rank only when the output is a pending sum."""
+    if len(args) >= 3 and args[2] is not None and _bias_once_placements(ctx):
+        return torch.ops.aten.linear.default, (args[0], args[1]), {}
+    return call.target, args, kwargs
+
+
+def _mm_only(b, x, w):
+    return torch.ops.aten.mm.default(x, w)
+
+
+@lowering(aten.addmm.default)
+def lower_addmm(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """Add the bias on one rank only when the output is a pending sum."""
+    if _bias_once_placements(ctx):
+        return _mm_only, args[:3], {}
+    return call.target, args, kwargs

@@ -1,0 +1,116 @@
+"""Elementwise ops (with broadcasting): any output dimension can be sharded, inputs follow it.
+
+Ops that are linear in their tensor inputs also pass a pending sum (Partial) through: a sum of
+per-rank pieces stays a sum after negation, scaling by a replicated factor, or adding another sum.
+"""
+
+from __future__ import annotations
+
+from .registry import P, R, OpCall, Rule1D, Shard, TensorArg, aten, dedupe, register
+
+UNARY = [
+    aten.abs.default, aten.exp.default, aten.log.default, aten.sqrt.default, aten.rsqrt.default,
+    aten.sin.default, aten.cos.default, aten.tanh.default, aten.sigmoid.default, aten.relu.default,
+    aten.gelu.default, aten.silu.default, aten.erf.default, aten.reciprocal.default,
+    aten.logical_not.default, aten.pow.Tensor_Scalar, aten.leaky_relu.default,
+    aten.hardtanh.default, aten.elu.default, aten.softplus.default, aten.log1p.default,
+    aten.expm1.default, aten.sign.default, aten.floor.default, aten.ceil.default,
+    aten.round.default, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
+    aten.bitwise_not.default, aten.dropout.default, aten.square.default, aten.mish.default,
+    aten.relu6.default if hasattr(aten, "relu6") else aten.relu.default,
+    aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.eq.Scalar,
+    aten.ne.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar, aten.remainder.Scalar,
+    aten.fmod.Scalar,
+]
+# Linear in the (single) tensor input: Partial passes through.
+LINEAR_UNARY = [
+    aten.neg.default, aten.clone.default, aten.alias.default, aten.to.dtype,
+    aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.contiguous.default,
+    aten.mul.Scalar, aten.div.Scalar, aten.detach.default,
+]
+BINARY = [
+    aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default, aten.eq.Tensor,
+    aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor,
+    aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
+    aten.logical_and.default, aten.logical_or.default, aten.where.self, aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor, aten.addcmul.default, aten.addcdiv.default, aten.lerp.Scalar,
+    aten.div.Tensor_mode, aten.remainder.Tensor, aten.fmod.Tensor, aten.atan2.default,
+]
+# Sums and differences: Partial + Partial is Partial (only when both operands are tensors).
+ADDITIVE = [aten.add.Tensor, aten.sub.Tensor]
+# Products: linear in each argument separately: Partial * Replicate is Partial.
+MULTIPLICATIVE = [aten.mul.Tensor]
+# Division is linear in the numerator only.
+DIVISION = [aten.div.Tensor]
+
+
+def broadcast_rules(call: OpCall) -> list[Rule1D]:
+    """Shard(d) of the output with each input sharded on its aligned dimension (or replicated
+    where it broadcasts), plus all-replicated."""
+    out = call.out_shape
+    n = len(out)
+    rules = []
+    for d in range(n):
+        if out[d] == 1:
+            continue
+        placements = []
+        for t in call.inputs:
+            j = d - (n - t.ndim)
+            placements.append(Shard(j) if j >= 0 and t.shape[j] == out[d] else R)
+        rules.append(Rule1D(tuple(placements), Shard(d)))
+    rules.append(Rule1D(tuple(R for _ in call.inputs), R))
+    return rules
+
+
+@register(*UNARY, *BINARY)
+def pointwise(call: OpCall) -> list[Rule1D]:
+    """Elementwise op: follow the output's sharding."""
+    return broadcast_rules(call)
+
+
+@register(*LINEAR_UNARY)
+def linear_pointwise(call: OpCall) -> list[Rule1D]:
+    """Elementwise op linear in its tensor input: also Partial -> Partial."""
+    rules = broadcast_rules(call)
+    if len(call.inputs) == 1:
+        rules.append(Rule1D((P,), P))
+    return rules
+
+
+@register(*ADDITIVE)
+def additive(call: OpCall) -> list[Rule1D]:
+    """add/sub: Partial + Partial -> Partial when both operands are tensors (a number added to a
+    pending sum would be counted once per rank)."""
+    rules = broadcast_rules(call)
+    if len(call.inputs) == 2:
+        rules.append(Rule1D((P, P), P))
+    return rules
+
+
+@register(*MULTIPLICATIVE)
+def multiplicative(call: OpCall) -> list[Rule1D]:
+    """mul: linear in each factor, so one pending-sum factor times a replicated one."""
+    rules = broadcast_rules(call)
+    if len(call.inputs) == 2:
+        rules += [Rule1D((P, R), P), Rule1D((R, P), P)]
+    elif len(call.inputs) == 1:
+        rules.append(Rule1D((P,), P))
+    return rules
+
+
+@register(*DIVISION)
+def division(call: OpCall) -> list[Rule1D]:
+    """div: linear in the numerator."""
+    rules = broadcast_rules(call)
+    if len(call.inputs) == 2:
+        rules.append(Rule1D((P, R), P))
+    elif len(call.inputs) == 1 and isinstance(call.args[0], TensorArg):
+        rules.append(Rule1D((P,), P))
+    return dedupe(rules)
+
+
+@register(aten.broadcast_tensors.default)
+def broadcast_tensors(call: OpCall) -> list[Rule1D]:
+    """Every output has the broadcast shape and follows its sharding."""
+    k = len(call.out_shapes)
+    return [Rule1D(r.inputs, tuple(r.output for _ in range(k))) for r in broadcast_rules(call)]

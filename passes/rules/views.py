@@ -1,0 +1,189 @@
+"""Views, reshapes and data movement: a Shard is tracked through the op to the output dimension
+holding the same elements.
+
+A reshape keeps a shard only on the outermost dimension of each group of dimensions it merges or
+splits (then every rank still holds one contiguous block of the group's elements); all these ops
+are linear, so Partial passes through. Ops that take a shape argument get it made local.
+"""
+
+from __future__ import annotations
+
+from .registry import (
+    P, R, LocalContext, OpCall, Rule1D, Shard, aten, dedupe, lowering, norm_dim, register,
+)
+
+
+def view_groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]]:
+    """Pair the non-unit dimensions of shapes `a` and `b` into groups of equal element count."""
+    ai = [d for d in range(len(a)) if a[d] != 1]
+    bi = [d for d in range(len(b)) if b[d] != 1]
+    groups, i, j = [], 0, 0
+    while i < len(ai) and j < len(bi):
+        ins, outs = [ai[i]], [bi[j]]
+        pa, pb = a[ai[i]], b[bi[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                ins.append(ai[i])
+                pa *= a[ai[i]]
+                i += 1
+            else:
+                outs.append(bi[j])
+                pb *= b[bi[j]]
+                j += 1
+        groups.append((ins, outs))
+    return groups
+
+
+def dim_map_rules(call: OpCall, mapping: dict[int, int]) -> list[Rule1D]:
+    """Rules for a single-input op whose input dimension d lands on output dimension mapping[d]."""
+    rules = [Rule1D((Shard(d),), Shard(o)) for d, o in sorted(mapping.items())]
+    return rules + [Rule1D((R,), R), Rule1D((P,), P)]
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.flatten.using_ints, aten.unflatten.int)
+def reshape(call: OpCall) -> list[Rule1D]:
+    """Shard the outermost dimension of a merged or split group."""
+    groups = view_groups(call.inputs[0].shape, call.out_shape)
+    return dim_map_rules(call, {ins[0]: outs[0] for ins, outs in groups})
+
+
+@register(aten.transpose.int)
+def transpose(call: OpCall) -> list[Rule1D]:
+    """Swap two dimensions."""
+    n = call.inputs[0].ndim
+    d0, d1 = norm_dim(call.args[1], n), norm_dim(call.args[2], n)
+    perm = list(range(n))
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return dim_map_rules(call, {perm[o]: o for o in range(n)})
+
+
+@register(aten.permute.default)
+def permute(call: OpCall) -> list[Rule1D]:
+    """Reorder dimensions."""
+    n = call.inputs[0].ndim
+    perm = [norm_dim(d, n) for d in call.args[1]]
+    return dim_map_rules(call, {perm[o]: o for o in range(n)})
+
+
+@register(aten.t.default)
+def t(call: OpCall) -> list[Rule1D]:
+    """Transpose of a matrix (or a vector, unchanged)."""
+    n = call.inputs[0].ndim
+    return dim_map_rules(call, {0: 1, 1: 0} if n == 2 else {0: 0})
+
+
+@register(aten.unsqueeze.default)
+def unsqueeze(call: OpCall) -> list[Rule1D]:
+    """Insert a unit dimension."""
+    n = call.inputs[0].ndim
+    d = norm_dim(call.args[1], n + 1)
+    return dim_map_rules(call, {j: j if j < d else j + 1 for j in range(n)})
+
+
+@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def squeeze(call: OpCall) -> list[Rule1D]:
+    """Drop unit dimensions; the others keep their order."""
+    shape = call.inputs[0].shape
+    if call.target == aten.squeeze.default:
+        gone = {d for d, s in enumerate(shape) if s == 1}
+    else:
+        dims = call.args[1] if isinstance(call.args[1], (list, tuple)) else [call.args[1]]
+        gone = {norm_dim(d, len(shape)) for d in dims if shape[norm_dim(d, len(shape))] == 1}
+    kept = [d for d in range(len(shape)) if d not in gone]
+    return dim_map_rules(call, {d: o for o, d in enumerate(kept)})
+
+
+@register(aten.expand.default)
+def expand(call: OpCall) -> list[Rule1D]:
+    """Broadcast to a larger shape: dimensions that are not broadcast may stay sharded."""
+    x = call.inputs[0]
+    lead = call.out_ndim - x.ndim
+    return dim_map_rules(call, {j: j + lead for j in range(x.ndim)
+                                if x.shape[j] == call.out_shape[j + lead] and x.shape[j] != 1})
+
+
+@register(aten.slice.Tensor)
+def slice_(call: OpCall) -> list[Rule1D]:
+    """A slice along one dimension: the others may be sharded."""
+    x = call.inputs[0]
+    dim = norm_dim(call.arg(1, "dim", 0), x.ndim)
+    return dim_map_rules(call, {j: j for j in range(x.ndim)
+                                if j != dim or x.shape[j] == call.out_shape[j]})
+
+
+@register(aten.select.int)
+def select(call: OpCall) -> list[Rule1D]:
+    """Pick one index along a dimension, which disappears."""
+    x = call.inputs[0]
+    dim = norm_dim(call.args[1], x.ndim)
+    return dim_map_rules(call, {j: j if j < dim else j - 1 for j in range(x.ndim) if j != dim})
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
+def split(call: OpCall) -> list[Rule1D]:
+    """Several outputs cut along one dimension: the other dimensions may be sharded."""
+    x = call.inputs[0]
+    if call.target == aten.unbind.int:
+        dim = norm_dim(call.arg(1, "dim", 0), x.ndim)
+        shift = 1
+    else:
+        dim = norm_dim(call.arg(2, "dim", 0), x.ndim)
+        shift = 0
+    k = len(call.out_shapes)
+    rules = []
+    for j in range(x.ndim):
+        if j != dim:
+            o = j - shift if j > dim else j
+            rules.append(Rule1D((Shard(j),), tuple(Shard(o) for _ in range(k))))
+    rules.append(Rule1D((R,), tuple(R for _ in range(k))))
+    rules.append(Rule1D((P,), tuple(P for _ in range(k))))
+    return rules
+
+
+@register(aten.cat.default)
+def cat(call: OpCall) -> list[Rule1D]:
+    """Concatenate along one dimension: all inputs sharded alike on another dimension."""
+    n = call.out_ndim
+    dim = norm_dim(call.arg(1, "dim", 0), n)
+    k = len(call.inputs)
+    if any(t.ndim != n for t in call.inputs):  # legacy empty 1-D tensors: keep it simple
+        return [Rule1D(tuple(R for _ in range(k)), R)]
+    rules = [Rule1D(tuple(Shard(j) for _ in range(k)), Shard(j)) for j in range(n) if j != dim]
+    rules += [Rule1D(tuple(R for _ in range(k)), R), Rule1D(tuple(P for _ in range(k)), P)]
+    return rules
+
+
+@register(aten.stack.default)
+def stack(call: OpCall) -> list[Rule1D]:
+    """Stack along a new dimension."""
+    n = call.out_ndim
+    dim = norm_dim(call.arg(1, "dim", 0), n)
+    k = len(call.inputs)
+    rules = [Rule1D(tuple(Shard(j) for _ in range(k)), Shard(j if j < dim else j + 1))
+             for j in range(n - 1)]
+    rules += [Rule1D(tuple(R for _ in range(k)), R), Rule1D(tuple(P for _ in range(k)), P)]
+    return dedupe(rules)
+
+
+def _with_local_shape(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext, i: int):
+    args = list(args)
+    args[i] = list(ctx.local_out_shapes[0])
+    return call.target, tuple(args), kwargs
+
+
+@lowering(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          aten.expand.default)
+def lower_shape_arg(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """The shape argument becomes the local output shape."""
+    return _with_local_shape(call, args, kwargs, ctx, 1)
+
+
+@lowering(aten.unflatten.int)
+def lower_unflatten(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """The sizes argument becomes the local sizes of the new dimensions."""
+    dim = norm_dim(args[1], call.inputs[0].ndim)
+    args = (args[0], args[1], list(ctx.local_out_shapes[0][dim:dim + len(args[2])]))
+    return call.target, args, kwargs
+

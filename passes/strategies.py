@@ -1,0 +1,279 @@
+"""Candidate strategies for every node of a traced graph, from the sharding-rule registry.
+
+The result, a `StrategyGraph`, is plain data for the solver: nodes in topological order, each with
+its shapes, the producers of its tensor inputs and its list of n-D strategies (one placement per
+mesh dimension for every input and output). A strategy on an n-D mesh is a product of the op's
+1-D rules, kept when every sharded dimension divides evenly by the number of pieces.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .placement import P, Placements, R, Shard, divisible
+from .rules import RULES, OpCall, Rule1D, TensorArg, replicate_all
+from .trace import TracedProgram
+
+log = logging.getLogger(__name__)
+
+INPUT, PARAM, CONSTANT, OP = "input", "param", "constant", "op"
+
+# Ops that create tensors from nothing but shapes; they and everything computed only from them
+# (and from buffers) are constants, computed whole on every rank.
+_CREATION = {
+    torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step,
+    torch.ops.aten.zeros.default, torch.ops.aten.ones.default, torch.ops.aten.full.default,
+    torch.ops.aten.empty.memory_format, torch.ops.aten.scalar_tensor.default,
+    torch.ops.aten.eye.default, torch.ops.aten.rand.default, torch.ops.aten.randn.default,
+    torch.ops.aten.tensor.default if hasattr(torch.ops.aten, "tensor") else None,
+}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Placements (one per mesh dimension) of each tensor input and of the output(s)."""
+
+    inputs: tuple[Placements, ...]
+    output: Placements | tuple[Placements, ...]
+
+    def out(self, index: int | None) -> Placements:
+        """Placements of output `index` (None for single-output nodes)."""
+        return self.output if index is None else self.output[index]
+
+
+@dataclass
+class SNode:
+    """One node of the strategy graph."""
+
+    name: str
+    kind: str                      # input | param | constant | op
+    op: str                        # printable op name ('' for placeholders)
+    inputs: list[tuple[str, int | None]]  # producer name, output index (None: single output)
+    in_shapes: list[tuple[int, ...]]
+    out_shapes: list[tuple[int, ...]]
+    out_dtypes: list[torch.dtype]
+    multi_output: bool
+    requires_grad: bool
+    strategies: list[Strategy]
+    call: OpCall | None = None     # what the rule saw (None for placeholders)
+    source: str = ""               # the model line, when FX recorded it
+    param_name: str | None = None  # the model's parameter name (PARAM nodes)
+
+    def out_bytes(self, i: int = 0) -> int:
+        """Bytes of output `i` at its global shape."""
+        n = 1
+        for s in self.out_shapes[i]:
+            n *= s
+        return n * _itemsize(self.out_dtypes[i])
+
+
+@dataclass
+class StrategyGraph:
+    """Nodes in topological order, plus what the program must return."""
+
+    nodes: dict[str, SNode]
+    mesh_shape: tuple[int, ...]
+    loss: tuple[str, int | None] | None     # the loss value, required replicated
+    outputs: list[tuple[str, int | None]]   # the model's flattened outputs
+    unsupported: list[str] = field(default_factory=list)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _vals(node: fx.Node) -> list[Any]:
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (list, tuple)) else [val]
+
+
+def _source_line(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 2, -1, -1):
+        if lines[i].startswith("File ") and "site-packages/torch" not in lines[i]:
+            return f"{lines[i]}: {lines[i + 1]}" if i + 1 < len(lines) else lines[i]
+    return ""
+
+
+def op_call(node: fx.Node) -> tuple[OpCall, list[fx.Node]]:
+    """Describe a call_function node to the rules: tensor arguments become `TensorArg`s, numbered
+    in flattened-argument order."""
+    tensors: list[fx.Node] = []
+
+    def to_arg(a):
+        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+            t = TensorArg(len(tensors), tuple(int(s) for s in a.meta["val"].shape),
+                          a.meta["val"].dtype)
+            tensors.append(a)
+            return t
+        return a
+
+    args = pytree.tree_map(to_arg, node.args)
+    kwargs = pytree.tree_map(to_arg, dict(node.kwargs))
+    vals = _vals(node)
+    multi = isinstance(node.meta.get("val"), (list, tuple))
+    shapes = [tuple(int(s) for s in v.shape) for v in vals if isinstance(v, torch.Tensor)]
+    call = OpCall(node.name, node.target, args, kwargs,
+                  [to_arg_t for to_arg_t in _tensor_args(args, kwargs)], shapes, multi)
+    return call, tensors
+
+
+def _tensor_args(args, kwargs) -> list[TensorArg]:
+    leaves = pytree.tree_leaves((args, kwargs))
+    return [a for a in leaves if isinstance(a, TensorArg)]
+
+
+def expand_to_mesh(rules: list[Rule1D], mesh_shape: tuple[int, ...], in_shapes, out_shapes,
+                   multi: bool) -> list[Strategy]:
+    """n-D strategies: the product of the 1-D rules, filtered to even splits."""
+    out = []
+    seen = set()
+    for combo in itertools.product(rules, repeat=len(mesh_shape)):
+        inputs = tuple(tuple(r.inputs[i] for r in combo) for i in range(len(in_shapes)))
+        if multi:
+            output = tuple(tuple(r.output[i] for r in combo) for i in range(len(out_shapes)))
+            outs = list(output)
+        else:
+            output = tuple(r.output for r in combo)
+            outs = [output]
+        if not all(divisible(s, p, mesh_shape) for s, p in zip(in_shapes, inputs)):
+            continue
+        if not all(divisible(s, p, mesh_shape) for s, p in zip(out_shapes, outs)):
+            continue
+        s = Strategy(inputs, output)
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out
+
+
+def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
+    """Candidate strategies for every node of `program` on a mesh of `mesh_shape`."""
+    mesh_shape = tuple(mesh_shape)
+    m = len(mesh_shape)
+    nodes: dict[str, SNode] = {}
+    unsupported: list[str] = []
+    constant: set[str] = set()
+    grad: set[str] = set()
+    output_node = None
+    for node in program.graph.nodes:
+        if node.op == "output":
+            output_node = node
+            continue
+        if node.op == "get_attr":
+            raise ValueError(f"unexpected get_attr node {node.name} in the traced graph")
+        if node.op == "placeholder":
+            val = node.meta["val"]
+            shape = tuple(int(s) for s in val.shape)
+            if node.name in program.params:
+                kind = PARAM
+                cands = _storage_placements(shape, mesh_shape)
+                grad.add(node.name)
+            elif node.name in program.buffers:
+                kind = CONSTANT
+                cands = [tuple(R for _ in mesh_shape)]
+                constant.add(node.name)
+            else:  # user inputs arrive whole on every rank; consumers cut their block (free)
+                kind = INPUT
+                cands = [tuple(R for _ in mesh_shape)]
+            nodes[node.name] = SNode(
+                node.name, kind, "", [], [], [shape], [val.dtype], False, kind == PARAM,
+                [Strategy((), c) for c in cands], None, "", program.params.get(node.name))
+            continue
+        call, tensor_nodes = op_call(node)
+        inputs = [(a.name, None) if a.op != "call_function" or a.target is not operator.getitem
+                  else (a.args[0].name, a.args[1]) for a in tensor_nodes]
+        # getitem nodes are folded into their consumers' edges; see below.
+        if node.target is operator.getitem:
+            src = node.args[0]
+            nodes[node.name] = None  # placeholder, removed after the loop
+            if src.name in constant:
+                constant.add(node.name)
+            if src.name in grad:
+                grad.add(node.name)
+            continue
+        inputs = [_resolve(nodes, a) for a in tensor_nodes]
+        is_const = all(name in constant for name, _ in inputs) and (
+            inputs or node.target in _CREATION or not call.inputs)
+        req_grad = any(name in grad for name, _ in inputs) and any(
+            v.dtype.is_floating_point for v in _vals(node) if isinstance(v, torch.Tensor))
+        in_shapes = [t.shape for t in call.inputs]
+        if is_const:
+            constant.add(node.name)
+            outs = tuple(tuple(R for _ in mesh_shape) for _ in call.out_shapes)
+            strategies = [Strategy(tuple(tuple(R for _ in mesh_shape) for _ in in_shapes),
+                                   outs if call.multi_output else outs[0])]
+            kind = CONSTANT
+        else:
+            kind = OP
+            rule = RULES.get(node.target)
+            if rule is None:
+                rules1d = replicate_all(call)
+                unsupported.append(str(node.target))
+            else:
+                rules1d = rule(call)
+            rules1d = [r for r in rules1d if _ints_not_partial(r, call)]
+            strategies = expand_to_mesh(rules1d, mesh_shape, in_shapes, call.out_shapes,
+                                        call.multi_output)
+            if not strategies:  # nothing divides evenly: replicate
+                strategies = expand_to_mesh(replicate_all(call), mesh_shape, in_shapes,
+                                            call.out_shapes, call.multi_output)
+        if req_grad:
+            grad.add(node.name)
+        vals = [v for v in _vals(node) if isinstance(v, torch.Tensor)]
+        nodes[node.name] = SNode(
+            node.name, kind, _op_name(node.target), inputs, in_shapes, call.out_shapes,
+            [v.dtype for v in vals], call.multi_output, req_grad, strategies, call,
+            _source_line(node))
+    nodes = {k: v for k, v in nodes.items() if v is not None}
+    flat_out = [_resolve(nodes, a) if isinstance(a, fx.Node) else None
+                for a in pytree.tree_leaves(output_node.args[0])]
+    loss = flat_out[-1] if program.has_loss else None
+    outputs = flat_out[:program.num_outputs]
+    for name in sorted(set(unsupported)):
+        warnings.warn(f"autopar: no sharding rule for {name}; it runs replicated (every rank "
+                      "computes it whole). Add a rule in autopar/passes/rules to shard it.",
+                      stacklevel=2)
+    del m
+    return StrategyGraph(nodes, mesh_shape, loss, outputs, sorted(set(unsupported)))
+
+
+def _resolve(nodes: dict, a: fx.Node) -> tuple[str, int | None]:
+    if a.op == "call_function" and a.target is operator.getitem:
+        return (a.args[0].name, a.args[1])
+    return (a.name, None)
+
+
+def _op_name(target) -> str:
+    name = str(target)
+    return name.removeprefix("aten.")
+
+
+def _ints_not_partial(rule: Rule1D, call: OpCall) -> bool:
+    """A pending sum of integers or booleans is never what a rule means."""
+    outs = rule.output if isinstance(rule.output, tuple) else (rule.output,)
+    if any(isinstance(p, type(P)) for p in outs):
+        return all(t.dtype.is_floating_point for t in call.inputs
+                   if isinstance(rule.inputs[t.index], type(P)))
+    return True
+
+
+def _storage_placements(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Placements]:
+    """Where a parameter may live (or how an input may be split): replicated or sharded on any
+    dimension, per mesh dimension; never a pending sum."""
+    one = [R] + [Shard(d) for d in range(len(shape)) if shape[d] > 1]
+    out = []
+    for combo in itertools.product(one, repeat=len(mesh_shape)):
+        if divisible(shape, combo, mesh_shape):
+            out.append(tuple(combo))
+    return out

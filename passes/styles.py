@@ -1,0 +1,100 @@
+"""Forced parallel styles: restrict the candidates of one mesh dimension to a standard setup.
+
+The solver normally mixes strategies freely. For comparisons with hand-written parallelism (and
+for tests that must exercise each kind of plan), a mesh dimension can be pinned to a style; the
+ILP still chooses everything the style leaves open.
+
+- "data"   (DDP): parameters stored and used replicated; every floating-point op that depends on
+           the batch runs sharded (never replicated) on this dimension.
+- "fsdp"   (ZeRO-3 / FSDP): as "data", but parameters with a dimension that splits evenly are
+           stored sharded and all-gathered for use (gradients reduce-scattered).
+- "tensor" (Megatron): matrix and embedding parameters are stored sharded on this dimension and
+           used where they live (column/row/vocabulary parallel); the ILP places activations.
+- "auto":  no restriction.
+"""
+
+from __future__ import annotations
+
+from autopar.passes.placement import Replicate, Shard
+
+from .strategies import INPUT, OP, PARAM, StrategyGraph
+
+STYLES = ("auto", "data", "fsdp", "tensor")
+
+
+def allowed_strategies(graph: StrategyGraph, styles: dict[int, str]) -> dict[str, list[int]]:
+    """For each node whose candidates a style restricts, the indices it may use."""
+    for k, style in styles.items():
+        if style not in STYLES:
+            raise ValueError(f"unknown style {style!r} for mesh dimension {k}; choose from "
+                             f"{', '.join(STYLES)}")
+    batch_dependent = _depends_on_inputs(graph)
+    param_uses: dict[str, list[tuple[str, int]]] = {}
+    for v in graph.nodes.values():
+        for slot, (u, _) in enumerate(v.inputs):
+            if graph.nodes[u].kind == PARAM:
+                param_uses.setdefault(u, []).append((v.name, slot))
+    allowed: dict[str, set[int]] = {n: set(range(len(v.strategies)))
+                                    for n, v in graph.nodes.items()}
+    for k, style in styles.items():
+        if style == "auto":
+            continue
+        for v in graph.nodes.values():
+            keep = set()
+            for i, s in enumerate(v.strategies):
+                if _ok(graph, v, s, k, style, batch_dependent):
+                    keep.add(i)
+            if keep:  # never leave a node without a strategy
+                allowed[v.name] &= keep
+    # A parameter's uses follow its storage where the style says so.
+    out = {n: sorted(ix) for n, ix in allowed.items()
+           if len(ix) < len(graph.nodes[n].strategies)}
+    return out
+
+
+def _ok(graph, v, s, k, style, batch_dependent) -> bool:
+    if v.kind == PARAM:
+        p = s.output[k]
+        big = len(v.out_shapes[0]) >= 2
+        if style == "data":
+            return isinstance(p, Replicate)
+        if style == "fsdp":
+            return isinstance(p, Shard) or graph.mesh_shape[k] == 1 or not _splits(v, graph, k)
+        if style == "tensor":
+            return isinstance(p, Shard) if big and _splits(v, graph, k) else isinstance(
+                p, Replicate)
+        return True
+    if v.kind != OP:
+        return True
+    for slot, (u, _) in enumerate(v.inputs):
+        if graph.nodes[u].kind == PARAM:
+            want = s.inputs[slot][k]
+            if style in ("data", "fsdp") and not isinstance(want, Replicate):
+                return False
+    if style in ("data", "fsdp") and v.name in batch_dependent and graph.mesh_shape[k] > 1:
+        outs = s.output if v.multi_output else (s.output,)
+        if any(isinstance(o[k], Replicate) for o in outs):
+            return False
+    if style == "tensor":
+        # Parameters are used where they are stored: the use must match some shard of it.
+        for slot, (u, _) in enumerate(v.inputs):
+            if graph.nodes[u].kind == PARAM and len(graph.nodes[u].out_shapes[0]) >= 2 and \
+                    _splits(graph.nodes[u], graph, k) and \
+                    not isinstance(s.inputs[slot][k], Shard):
+                return False
+    return True
+
+
+def _splits(v, graph, k) -> bool:
+    n = graph.mesh_shape[k]
+    return any(d % n == 0 and d > 1 for d in v.out_shapes[0])
+
+
+def _depends_on_inputs(graph: StrategyGraph) -> set[str]:
+    """Floating-point op nodes computed from a user input."""
+    dep: set[str] = set()
+    for v in graph.nodes.values():
+        if v.kind == INPUT or any(u in dep for u, _ in v.inputs):
+            dep.add(v.name)
+    return {n for n in dep if graph.nodes[n].kind == OP
+            and graph.nodes[n].out_dtypes and graph.nodes[n].out_dtypes[0].is_floating_point}

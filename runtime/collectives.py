@@ -1,0 +1,129 @@
+"""Autograd-aware collectives over one mesh dimension.
+
+Each forward collective carries its adjoint as backward, so plain autograd over the local
+program computes the right gradients (the gradient of a replicated value is a pending sum, of a
+pending sum a replicated value, of a shard the same shard):
+
+    all_gather(dim)      <->  reduce_scatter(dim)
+    reduce_scatter(dim)  <->  all_gather(dim)
+    all_reduce           <->  all_reduce
+    all_to_all(a -> b)   <->  all_to_all(b -> a)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import compat
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    x = x.contiguous()
+    buf = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    compat.all_gather_single(buf, x, group=group)
+    if dim == 0:
+        return buf
+    shape = list(x.shape)
+    shape[dim] *= n
+    return buf.view(n, *x.shape).movedim(0, dim).reshape(shape)
+
+
+def _scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    shape = list(x.shape)
+    shape[dim] //= n
+    if dim == 0:
+        src = x.contiguous()
+    else:
+        split = [*x.shape[:dim], n, shape[dim], *x.shape[dim + 1:]]
+        src = x.reshape(split).movedim(dim, 0).contiguous()
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    compat.reduce_scatter_single(out, src, group=group)
+    return out
+
+
+def _reduce(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    compat.all_reduce(out, group=group)
+    return out
+
+
+def _swap(x: torch.Tensor, split_dim: int, cat_dim: int, group) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    src = torch.stack(x.chunk(n, dim=split_dim)).contiguous()
+    out = torch.empty_like(src)
+    compat.all_to_all_single(out, src, group=group)
+    shape = list(src.shape[1:])
+    shape[cat_dim] *= n
+    return out.movedim(0, cat_dim).reshape(shape)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce(grad, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, split_dim, cat_dim, group):
+        ctx.dims, ctx.group = (split_dim, cat_dim), group
+        return _swap(x, split_dim, cat_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_dim, cat_dim = ctx.dims
+        return _swap(grad, cat_dim, split_dim, ctx.group), None, None, None
+
+
+class MeshComm:
+    """The collectives of one device mesh, by mesh dimension (what `passes.rewrite` calls)."""
+
+    def __init__(self, groups: list):
+        self.groups = groups
+
+    def all_gather(self, x: torch.Tensor, dim: int, mesh_dim: int) -> torch.Tensor:
+        """Concatenate the shards of mesh dimension `mesh_dim` along `dim`."""
+        return _AllGather.apply(x, dim, self.groups[mesh_dim])
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int, mesh_dim: int) -> torch.Tensor:
+        """Sum over `mesh_dim` and keep this rank's block of `dim`."""
+        return _ReduceScatter.apply(x, dim, self.groups[mesh_dim])
+
+    def all_reduce(self, x: torch.Tensor, mesh_dim: int) -> torch.Tensor:
+        """Sum over `mesh_dim`."""
+        return _AllReduce.apply(x, self.groups[mesh_dim])
+
+    def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int,
+                   mesh_dim: int) -> torch.Tensor:
+        """Trade a shard of `cat_dim` for a shard of `split_dim`."""
+        return _AllToAll.apply(x, split_dim, cat_dim, self.groups[mesh_dim])

@@ -1,0 +1,226 @@
+"""Intra-op ILP: one strategy per node, minimum predicted step time, memory within budget.
+
+Sets
+  V        nodes of the strategy graph; S_v the candidate strategies of v
+  E        edges (u -> v, input slot i); A_e the placements u's strategies give the edge's
+           tensor, B_e the placements v's strategies require of it
+Variables
+  x[v,s] in {0,1}   node v runs strategy s
+  y[e,a,b] in [0,1] edge e carries placement a into required placement b
+Constraints
+  sum_s x[v,s] = 1                                   (every node picks one strategy)
+  sum_b y[e,a,b] = sum_{s in S_u: out_e(s) = a} x[u,s]   (transport, producer side)
+  sum_a y[e,a,b] = sum_{s in S_v: in_e(s) = b}  x[v,s]   (transport, consumer side)
+  sum_v sum_s m[v,s] x[v,s] <= M                     (bytes per device; M = memory budget)
+Objective (seconds; scaled to microseconds for the solver)
+  min sum_v sum_s t[v,s] x[v,s] + sum_e sum_{a,b} c[e,a,b] y[e,a,b]
+where t is compute (+ gradient synchronization for parameters), c the resharding time of the
+edge (forward and backward), m parameter/gradient/optimizer bytes and kept activations.
+With x integral the transport constraints force y[e,a,b] = [out_e = a][in_e = b], so y may be
+continuous. An edge whose producer (or consumer) has one placement class costs a constant per
+consumer (producer) strategy and is folded into t. The loss must reach every rank: its node pays
+the resharding to Replicate, except from a pending sum (see `loss_sink_time`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ortools.linear_solver import pywraplp
+
+from autopar.passes.placement import Partial, R
+from autopar.passes.strategies import SNode, Strategy, StrategyGraph
+
+from .cost import INFEASIBLE, CostModel
+
+SCALE = 1e6  # seconds -> microseconds inside the solver
+BACKENDS = ("HIGHS", "SCIP", "CBC", "CP_SAT")
+
+
+class NoFeasiblePlan(RuntimeError):
+    """No assignment of strategies satisfies the memory budget."""
+
+
+@dataclass
+class Solution:
+    """The chosen strategy index per node and what the solver reported."""
+
+    choice: dict[str, int]
+    objective: float          # seconds, as the solver computed it
+    solve_time: float         # seconds spent in the solver
+    backend: str
+    status: str
+    num_variables: int
+    num_constraints: int
+
+
+@dataclass
+class _Edge:
+    consumer: str
+    slot: int
+    producer: str
+    out_index: int | None
+
+
+def edges(graph: StrategyGraph) -> list[_Edge]:
+    """Every tensor input of every node, as an edge from its producer."""
+    return [_Edge(v.name, i, u, idx) for v in graph.nodes.values()
+            for i, (u, idx) in enumerate(v.inputs)]
+
+
+def node_costs(graph: StrategyGraph, cost: CostModel) -> dict[str, list[float]]:
+    """t[v,s]: compute (+ gradient sync) seconds of every strategy, plus the loss's final
+    resharding to Replicate."""
+    out = {}
+    for v in graph.nodes.values():
+        out[v.name] = [cost.node_time(v, s) for s in v.strategies]
+    for name, idx in ([graph.loss] if graph.loss else []):
+        v = graph.nodes[name]
+        for k, s in enumerate(v.strategies):
+            out[name][k] += loss_sink_time(cost, v, s.out(idx), idx)
+    return out
+
+
+def loss_sink_time(cost: CostModel, node: SNode, placement, idx) -> float:
+    """Seconds to bring the loss to every rank. A pending-sum loss seeds the backward pass
+    locally (the gradient of a pending sum is replicated) and is all-reduced only for reporting,
+    overlapped with the backward pass: free on the critical path."""
+    if all(isinstance(p, (type(R), Partial)) for p in placement):
+        return 0.0
+    return cost.reshard_time(node.out_shapes[idx or 0], node.out_dtypes[idx or 0], placement,
+                             tuple(R for _ in cost.shape), False)
+
+
+def plan_time(graph: StrategyGraph, cost: CostModel, choice: dict[str, int]) -> float:
+    """Predicted seconds of a complete assignment: the objective evaluated directly."""
+    t = node_costs(graph, cost)
+    total = sum(t[v][choice[v]] for v in graph.nodes)
+    for e in edges(graph):
+        u, v = graph.nodes[e.producer], graph.nodes[e.consumer]
+        src = u.strategies[choice[u.name]].out(e.out_index)
+        dst = v.strategies[choice[v.name]].inputs[e.slot]
+        total += cost.edge_time(graph, v, e.slot, src, dst)
+    return total
+
+
+def greedy(graph: StrategyGraph, cost: CostModel) -> dict[str, int]:
+    """A feasible assignment (ignoring memory): in topological order, each node takes the
+    strategy cheapest given its producers' choices. The solver's starting hint and fallback."""
+    t = node_costs(graph, cost)
+    choice: dict[str, int] = {}
+    for v in graph.nodes.values():
+        best, best_cost = 0, INFEASIBLE
+        for k, s in enumerate(v.strategies):
+            c = t[v.name][k]
+            for i, (u, idx) in enumerate(v.inputs):
+                src = graph.nodes[u].strategies[choice[u]].out(idx)
+                c += cost.edge_time(graph, v, i, src, s.inputs[i])
+            if c < best_cost:
+                best, best_cost = k, c
+        choice[v.name] = best
+    return choice
+
+
+def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = None,
+          backend: str = "HIGHS", time_limit: float = 60.0, gap: float = 1e-4,
+          forced: dict[str, list[int]] | None = None) -> Solution:
+    """Solve the intra-op ILP. `forced` restricts nodes to the listed strategy indices."""
+    backend = backend.upper()
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown solver backend {backend}; choose from {BACKENDS}")
+    start = time.perf_counter()
+    solver = pywraplp.Solver.CreateSolver(backend)
+    if solver is None:
+        raise RuntimeError(f"OR-Tools was built without the {backend} backend")
+    solver.SetTimeLimit(int(time_limit * 1000))
+    t = node_costs(graph, cost)
+    x: dict[str, list] = {}
+    objective = solver.Objective()
+    for v in graph.nodes.values():
+        allowed = set(forced[v.name]) if forced and v.name in forced else None
+        row = []
+        for k in range(len(v.strategies)):
+            var = solver.BoolVar(f"x[{v.name},{k}]")
+            if (allowed is not None and k not in allowed) or t[v.name][k] == INFEASIBLE:
+                var.SetUb(0)
+            else:
+                objective.SetCoefficient(var, t[v.name][k] * SCALE)
+            row.append(var)
+        solver.Add(sum(row) == 1)
+        x[v.name] = row
+
+    for e in edges(graph):
+        u, v = graph.nodes[e.producer], graph.nodes[e.consumer]
+        a_cls = _classes([s.out(e.out_index) for s in u.strategies])
+        b_cls = _classes([s.inputs[e.slot] for s in v.strategies])
+        price = {(a, b): cost.edge_time(graph, v, e.slot, a, b) for a in a_cls for b in b_cls}
+        if len(a_cls) == 1 or len(b_cls) == 1:
+            # One side is fixed: the edge's price is a function of the other side's strategy.
+            for a, ks in a_cls.items():
+                for b, js in b_cls.items():
+                    c = price[(a, b)]
+                    owner, idxs = (v, js) if len(a_cls) == 1 else (u, ks)
+                    for k in idxs:
+                        var = x[owner.name][k]
+                        if c == INFEASIBLE:
+                            var.SetUb(0)
+                        elif c:
+                            objective.SetCoefficient(var, objective.GetCoefficient(var)
+                                                     + c * SCALE)
+            continue
+        y = {}
+        for (a, b), c in price.items():
+            if c == INFEASIBLE:
+                continue
+            var = solver.NumVar(0, 1, "")
+            if c:
+                objective.SetCoefficient(var, c * SCALE)
+            y[(a, b)] = var
+        for a, ks in a_cls.items():
+            solver.Add(sum(y[(a, b)] for b in b_cls if (a, b) in y)
+                       == sum(x[u.name][k] for k in ks))
+        for b, js in b_cls.items():
+            solver.Add(sum(y[(a, b)] for a in a_cls if (a, b) in y)
+                       == sum(x[v.name][j] for j in js))
+
+    if memory_budget is not None:
+        terms = [(x[v.name][k], cost.node_memory(v, s)) for v in graph.nodes.values()
+                 for k, s in enumerate(v.strategies)]
+        solver.Add(sum(var * m for var, m in terms if m) <= memory_budget)
+
+    objective.SetMinimization()
+    hint = greedy(graph, cost)
+    hint_vars = [var for name, row in x.items() for var in row]
+    hint_vals = [1.0 if k == hint[name] else 0.0 for name, row in x.items()
+                 for k in range(len(row))]
+    if backend != "HIGHS":  # HiGHS ignores hints through this wrapper
+        solver.SetHint(hint_vars, hint_vals)
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, gap)
+    status = solver.Solve(params)
+    elapsed = time.perf_counter() - start
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        if status == pywraplp.Solver.INFEASIBLE:
+            raise NoFeasiblePlan("no plan fits the memory budget")
+        raise RuntimeError(f"the {backend} solver stopped without a plan (status {status})")
+    choice = {}
+    for name, row in x.items():
+        vals = [var.solution_value() for var in row]
+        choice[name] = max(range(len(row)), key=lambda k: vals[k])
+    return Solution(choice, objective.Value() / SCALE, elapsed, backend,
+                    "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
+                    solver.NumVariables(), solver.NumConstraints())
+
+
+def _classes(placements) -> dict:
+    """Strategy indices grouped by placement, in first-seen order."""
+    out: dict = defaultdict(list)
+    for k, p in enumerate(placements):
+        out[p].append(k)
+    return dict(out)
+
+
+def strategy_of(node: SNode, choice: dict[str, int]) -> Strategy:
+    return node.strategies[choice[node.name]]

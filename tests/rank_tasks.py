@@ -1,0 +1,96 @@
+"""Functions the gloo ranks run for the equivalence tests (module level, so ranks import them).
+
+Each task trains the parallelized model and a single-device copy side by side on every rank and
+raises (with the largest differences) when they disagree; the test sees the traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from tests import models
+
+RTOL, ATOL = 1e-4, 1e-5
+_MESHES: dict = {}
+
+
+def mesh_for(shape: tuple[int, ...]):
+    """One DeviceMesh per shape per process (creating one is a collective)."""
+    shape = tuple(shape)
+    if shape not in _MESHES:
+        names = ("dp", "tp")[:len(shape)] if len(shape) <= 2 else None
+        _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[shape]
+
+
+def build(name: str):
+    """A model, its loss and a batch, identical on every rank."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = models.MLP([16, 32, 32, 8])
+        x = torch.randn(8, 16)
+        y = torch.randint(0, 8, (8,))
+        return model, torch.nn.functional.cross_entropy, (x, y)
+    if name == "residual_rms":
+        model = models.ResidualMLP(16, 2, norm="rmsnorm", activation="silu")
+        x = torch.randn(4, 6, 16)
+        y = torch.randn(4, 6, 16)
+        return model, torch.nn.functional.mse_loss, (x, y)
+    if name == "gpt":
+        model = models.GPT(models.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
+                                            n_embd=32))
+    elif name == "hf_gpt2":
+        model = models.hf_gpt2(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+    elif name == "hf_llama":
+        model = models.hf_llama(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                num_key_value_heads=2, intermediate_size=64, vocab_size=64,
+                                max_position_embeddings=16)
+    else:
+        raise ValueError(name)
+    x = torch.randint(0, 64, (4, 16))
+    y = torch.randint(0, 64, (4, 16))
+    return model, models.lm_loss, (x, y)
+
+
+def _check(what: str, got: dict, want: dict) -> None:
+    for name in want:
+        try:
+            torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL)
+        except AssertionError as e:
+            raise AssertionError(f"{what} of {name} differs on rank {dist.get_rank()}:\n{e}") \
+                from None
+
+
+def train_equivalence(name: str, mesh_shape: tuple, force=None, steps: int = 3) -> str:
+    """Loss, gradients, parameters after `steps` AdamW steps, and the forward output, all equal
+    to single-device training. Returns the printed plan (from rank 0)."""
+    model, loss_fn, (x, y) = build(name)
+    ref = copy.deepcopy(model)
+    mesh = mesh_for(mesh_shape)
+    pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y), force=force)
+    # eps 1e-5 rather than 1e-8: some parameters (attention key biases) have an exactly zero
+    # true gradient, and AdamW with a tiny eps divides float noise by float noise, turning
+    # reassociation differences of 1e-9 into parameter differences of lr.
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-5)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-5)
+    ref_params = dict(ref.named_parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        loss = pm.step(x, y)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        if step == 0:
+            _check("gradient", pm.full_grads(), {n: p.grad for n, p in ref_params.items()})
+        opt.step()
+        ref_opt.step()
+    _check("parameter", pm.full_parameters(), {n: p.detach() for n, p in ref_params.items()})
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), ref(x), rtol=RTOL, atol=ATOL)
+    return str(pm.plan) if dist.get_rank() == 0 else ""

@@ -1,0 +1,79 @@
+import time
+
+import pytest
+import torch
+
+from tests import world_tasks as tasks
+from tests.world import World, WorkerError
+
+
+def test_results_in_rank_order(world4):
+    assert world4.run(tasks.rank_and_size) == [(r, 4) for r in range(4)]
+
+
+def test_all_reduce(world4):
+    assert world4.run(tasks.all_reduce_rank) == [6.0] * 4
+
+
+def test_world2(world2):
+    assert world2.run(tasks.all_reduce_rank) == [1.0, 1.0]
+
+
+def test_tensor_args_and_kwargs(world2):
+    x = torch.arange(3.0)
+    out = world2.run(tasks.scaled_tensor, x, scale=2.0)
+    torch.testing.assert_close(out[0], x * 2)
+    torch.testing.assert_close(out[1], x * 4)
+
+
+def test_local_function_rejected(world2):
+    def local():
+        pass
+
+    with pytest.raises(ValueError, match="module-level"):
+        world2.run(local)
+
+
+def test_error_on_one_rank_then_recover(world4):
+    with pytest.raises(WorkerError) as info:
+        world4.run(tasks.fail_on_rank, 2, "boom on rank two")
+    msg = str(info.value)
+    assert "boom on rank two" in msg and "rank 2" in msg and "ValueError" in msg
+    assert world4.run(tasks.all_reduce_rank) == [6.0] * 4
+
+
+@pytest.fixture(scope="module")
+def short_world():
+    with World(4, timeout=15.0) as w:
+        yield w
+
+
+def test_error_before_collective_is_bounded(short_world):
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        short_world.run(tasks.fail_before_collective, 1, "rank one gave up")
+    elapsed = time.monotonic() - start
+    msg = str(info.value)
+    assert "rank one gave up" in msg
+    assert "[0, 2, 3] did not answer" in msg
+    assert elapsed < 10.0  # the error grace period, not the full timeout
+    assert short_world.run(tasks.all_reduce_rank) == [6.0] * 4
+
+
+def test_hang_times_out_and_recovers():
+    with World(2, timeout=4.0) as w:
+        pids = w.run(tasks.pid)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"\[1\] did not answer"):
+            w.run(tasks.skip_collective, 0)
+        assert time.monotonic() - start < 8.0
+        assert w.run(tasks.all_reduce_rank) == [1.0, 1.0]
+        assert set(w.run(tasks.pid)).isdisjoint(pids)  # a fresh set of processes
+
+
+def test_dead_rank_detected(short_world):
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 3 process died"):
+        short_world.run(tasks.die_on_rank, 3)
+    assert time.monotonic() - start < 10.0
+    assert short_world.run(tasks.rank_and_size) == [(r, 4) for r in range(4)]
