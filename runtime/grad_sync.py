@@ -37,9 +37,18 @@ class GradSync:
         self.groups = groups
 
     def sync(self) -> None:
-        """Sum the gradients over their replicated mesh dimensions (missing gradients count as 0)."""
+        """Sum the gradients over their replicated mesh dimensions (missing gradients count as 0).
+
+        Mesh dimensions are reduced one after the other (a gradient replicated on two
+        dimensions is summed over the first, then the result over the second); the buckets of
+        one dimension are in flight together.
+        """
+        for k in sorted({k for k, _ in self.buckets}):
+            self._sync_dim([ps for j, ps in self.buckets if j == k], k)
+
+    def _sync_dim(self, buckets: list[list[torch.nn.Parameter]], k: int) -> None:
         pending = []
-        for k, ps in self.buckets:
+        for ps in buckets:
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                               for p in ps])
             work = compat.all_reduce(flat, group=self.groups[k], async_op=True)
