@@ -38,7 +38,7 @@ def _scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         src = x.contiguous()
     else:
         split = [*x.shape[:dim], n, shape[dim], *x.shape[dim + 1:]]
-        src = x.reshape(split).movedim(dim, 0).contiguous()
+        src = x.reshape(split).movedim(dim, 0).reshape(n * shape[0], *shape[1:])
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     compat.reduce_scatter_single(out, src, group=group)
     return out

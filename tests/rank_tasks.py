@@ -66,9 +66,9 @@ def _check(what: str, got: dict, want: dict) -> None:
                 from None
 
 
-def train_equivalence(name: str, mesh_shape: tuple, force=None, steps: int = 3) -> str:
+def train_equivalence(name: str, mesh_shape: tuple, force=None, steps: int = 3) -> dict | None:
     """Loss, gradients, parameters after `steps` AdamW steps, and the forward output, all equal
-    to single-device training. Returns the printed plan (from rank 0)."""
+    to single-device training. Returns the plan as data (from rank 0)."""
     model, loss_fn, (x, y) = build(name)
     ref = copy.deepcopy(model)
     mesh = mesh_for(mesh_shape)
@@ -93,4 +93,4 @@ def train_equivalence(name: str, mesh_shape: tuple, force=None, steps: int = 3) 
     _check("parameter", pm.full_parameters(), {n: p.detach() for n, p in ref_params.items()})
     with torch.no_grad():
         torch.testing.assert_close(pm(x), ref(x), rtol=RTOL, atol=ATOL)
-    return str(pm.plan) if dist.get_rank() == 0 else ""
+    return pm.plan.to_dict() if dist.get_rank() == 0 else None
