@@ -104,12 +104,17 @@ class _Lazy(nn.Module):
         program = _trace(model, example_inputs, self._loss_fn)
         chosen = self._given_plan
         if chosen is None:
-            box = [None]
+            box: list = [None]
             if dist.get_rank() == 0:
-                chosen, _ = solve_plan(program, self._spec, memory_budget=self._budget,
-                                       force=self._force, solver=self._solver)
-                box = [chosen.to_dict()]
+                try:
+                    solved, _ = solve_plan(program, self._spec, memory_budget=self._budget,
+                                           force=self._force, solver=self._solver)
+                    box = [solved.to_dict()]
+                except Exception as e:  # noqa: BLE001 - every rank must learn of it, not hang
+                    box = [e]
             dist.broadcast_object_list(box, src=0)
+            if isinstance(box[0], Exception):
+                raise box[0]
             chosen = Plan.from_dict(box[0])
         hashes = [None] * dist.get_world_size()
         dist.all_gather_object(hashes, chosen.hash())

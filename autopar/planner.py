@@ -48,12 +48,12 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, *, memory_budget=None, fo
     """Build strategies, solve the ILP and describe the result."""
     graph = strat_pass.build(program, mesh.shape)
     cost = CostModel(mesh)
-    forced = allowed_strategies(graph, styles_by_dim(mesh, force))
+    forced, discouraged = allowed_strategies(graph, styles_by_dim(mesh, force))
     budget = memory_budget
     if budget is None:
         budget = mesh.profile.memory * (1 - mesh.profile.memory_reserve)
     sol = solve(graph, cost, memory_budget=budget, backend=solver, time_limit=time_limit,
-                forced=forced)
+                forced=forced, discouraged=discouraged)
     choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
     return describe(program, graph, mesh, cost, choice, sol), graph
 

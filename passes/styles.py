@@ -4,8 +4,10 @@ The solver normally mixes strategies freely. For comparisons with hand-written p
 for tests that must exercise each kind of plan), a mesh dimension can be pinned to a style; the
 ILP still chooses everything the style leaves open.
 
-- "data"   (DDP): parameters stored and used replicated; every floating-point op that depends on
-           the batch runs sharded (never replicated) on this dimension.
+- "data"   (DDP): parameters stored and used replicated; floating-point ops that depend on the
+           batch run sharded on this dimension wherever some plan allows it (replicated
+           strategies carry a penalty rather than a ban, so shapes that split evenly nowhere
+           still have a plan).
 - "fsdp"   (ZeRO-3 / FSDP): as "data", but parameters with a dimension that splits evenly are
            stored sharded and all-gathered for use (gradients reduce-scattered).
 - "tensor" (Megatron): matrix and embedding parameters are stored sharded on this dimension and
@@ -22,8 +24,10 @@ from .strategies import INPUT, OP, PARAM, StrategyGraph
 STYLES = ("auto", "data", "fsdp", "tensor")
 
 
-def allowed_strategies(graph: StrategyGraph, styles: dict[int, str]) -> dict[str, list[int]]:
-    """For each node whose candidates a style restricts, the indices it may use."""
+def allowed_strategies(graph: StrategyGraph, styles: dict[int, str]
+                       ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """For each node whose candidates a style restricts, the indices it may use; and for each
+    node, the indices the style discourages (replicated compute under data/fsdp)."""
     for k, style in styles.items():
         if style not in STYLES:
             raise ValueError(f"unknown style {style!r} for mesh dimension {k}; choose from "
@@ -36,23 +40,33 @@ def allowed_strategies(graph: StrategyGraph, styles: dict[int, str]) -> dict[str
                 param_uses.setdefault(u, []).append((v.name, slot))
     allowed: dict[str, set[int]] = {n: set(range(len(v.strategies)))
                                     for n, v in graph.nodes.items()}
+    discouraged: dict[str, set[int]] = {}
     for k, style in styles.items():
         if style == "auto":
             continue
         for v in graph.nodes.values():
             keep = set()
             for i, s in enumerate(v.strategies):
-                if _ok(graph, v, s, k, style, batch_dependent):
+                if _ok(graph, v, s, k, style):
                     keep.add(i)
+                if _replicated_compute(graph, v, s, k, style, batch_dependent):
+                    discouraged.setdefault(v.name, set()).add(i)
             if keep:  # never leave a node without a strategy
                 allowed[v.name] &= keep
-    # A parameter's uses follow its storage where the style says so.
     out = {n: sorted(ix) for n, ix in allowed.items()
            if len(ix) < len(graph.nodes[n].strategies)}
-    return out
+    return out, {n: sorted(ix) for n, ix in discouraged.items()}
 
 
-def _ok(graph, v, s, k, style, batch_dependent) -> bool:
+def _replicated_compute(graph, v, s, k, style, batch_dependent) -> bool:
+    if style not in ("data", "fsdp") or v.name not in batch_dependent or \
+            graph.mesh_shape[k] == 1:
+        return False
+    outs = s.output if v.multi_output else (s.output,)
+    return any(isinstance(o[k], Replicate) for o in outs)
+
+
+def _ok(graph, v, s, k, style) -> bool:
     if v.kind == PARAM:
         p = s.output[k]
         big = len(v.out_shapes[0]) >= 2
@@ -71,10 +85,6 @@ def _ok(graph, v, s, k, style, batch_dependent) -> bool:
             want = s.inputs[slot][k]
             if style in ("data", "fsdp") and not isinstance(want, Replicate):
                 return False
-    if style in ("data", "fsdp") and v.name in batch_dependent and graph.mesh_shape[k] > 1:
-        outs = s.output if v.multi_output else (s.output,)
-        if any(isinstance(o[k], Replicate) for o in outs):
-            return False
     if style == "tensor":
         # Parameters are used where they are stored: the use must match some shard of it.
         for slot, (u, _) in enumerate(v.inputs):

@@ -36,6 +36,7 @@ from autopar.passes.strategies import SNode, Strategy, StrategyGraph
 from .cost import INFEASIBLE, CostModel
 
 SCALE = 1e6  # seconds -> microseconds inside the solver
+PENALTY = 1.0  # seconds added to a discouraged strategy (forced styles)
 BACKENDS = ("HIGHS", "SCIP", "CBC", "CP_SAT")
 
 
@@ -125,8 +126,11 @@ def greedy(graph: StrategyGraph, cost: CostModel) -> dict[str, int]:
 
 def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = None,
           backend: str = "HIGHS", time_limit: float = 60.0, gap: float = 1e-4,
-          forced: dict[str, list[int]] | None = None) -> Solution:
-    """Solve the intra-op ILP. `forced` restricts nodes to the listed strategy indices."""
+          forced: dict[str, list[int]] | None = None,
+          discouraged: dict[str, list[int]] | None = None) -> Solution:
+    """Solve the intra-op ILP. `forced` restricts nodes to the listed strategy indices;
+    `discouraged` strategies carry a penalty of PENALTY seconds each (reported objectives
+    exclude it)."""
     backend = backend.upper()
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend}; choose from {BACKENDS}")
@@ -141,12 +145,14 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     for v in graph.nodes.values():
         allowed = set(forced[v.name]) if forced and v.name in forced else None
         row = []
+        penalized = set(discouraged.get(v.name, ())) if discouraged else set()
         for k in range(len(v.strategies)):
             var = solver.BoolVar(f"x[{v.name},{k}]")
             if (allowed is not None and k not in allowed) or t[v.name][k] == INFEASIBLE:
                 var.SetUb(0)
             else:
-                objective.SetCoefficient(var, t[v.name][k] * SCALE)
+                extra = PENALTY if k in penalized else 0.0
+                objective.SetCoefficient(var, (t[v.name][k] + extra) * SCALE)
             row.append(var)
         solver.Add(sum(row) == 1)
         x[v.name] = row
@@ -209,7 +215,10 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     for name, row in x.items():
         vals = [var.solution_value() for var in row]
         choice[name] = max(range(len(row)), key=lambda k: vals[k])
-    return Solution(choice, objective.Value() / SCALE, elapsed, backend,
+    value = objective.Value() / SCALE
+    if discouraged:
+        value -= PENALTY * sum(1 for n, ks in discouraged.items() if choice[n] in ks)
+    return Solution(choice, value, elapsed, backend,
                     "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
                     solver.NumVariables(), solver.NumConstraints())
 

@@ -94,3 +94,73 @@ def train_equivalence(name: str, mesh_shape: tuple, force=None, steps: int = 3) 
     with torch.no_grad():
         torch.testing.assert_close(pm(x), ref(x), rtol=RTOL, atol=ATOL)
     return pm.plan.to_dict() if dist.get_rank() == 0 else None
+
+
+def build_odd_or_unsupported(name: str):
+    """Models for the bad-input tests: sizes that divide by nothing, an op with no rule."""
+    torch.manual_seed(0)
+    if name == "odd":  # batch 3, widths 5/6/7: no dimension splits over 2 ranks except 6
+        return models.MLP([5, 6, 7]), torch.nn.functional.cross_entropy, (
+            torch.randn(3, 5), torch.randint(0, 7, (3,)))
+    if name == "unsupported":  # aten.flip has no sharding rule
+        return _Flipped(), torch.nn.functional.cross_entropy, (
+            torch.randn(4, 8), torch.randint(0, 8, (4,)))
+    raise ValueError(name)
+
+
+class _Flipped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.flip(self.fc(x), dims=[-1])
+
+
+def expect_error(kind: str) -> str:
+    """Run one misuse on every rank; return the message of the error it raised."""
+    model, loss_fn, (x, y) = build("mlp")
+    try:
+        if kind == "mesh_smaller_than_world":
+            from torch.distributed.device_mesh import DeviceMesh
+            mesh = DeviceMesh("cpu", torch.arange(2))
+            autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y))
+        elif kind == "plan_for_other_mesh":
+            plan = autopar.plan(model, autopar.MeshSpec((4,), hardware="cpu"), (x, y),
+                                loss_fn=loss_fn)
+            autopar.parallelize(model, mesh_for((2, 2)), loss_fn=loss_fn, plan=plan)
+        elif kind == "plans_differ_across_ranks":
+            style = "data" if dist.get_rank() == 0 else "tensor"
+            plan = autopar.plan(model, autopar.MeshSpec((dist.get_world_size(),),
+                                                        hardware="cpu"),
+                                (x, y), loss_fn=loss_fn, force=style)
+            autopar.parallelize(model, mesh_for((dist.get_world_size(),)), loss_fn=loss_fn,
+                                example_inputs=(x, y), plan=plan)
+        elif kind == "plan_for_other_model":
+            other, _, _ = build("residual_rms")
+            plan = autopar.plan(model, autopar.MeshSpec((dist.get_world_size(),),
+                                                        hardware="cpu"), (x, y), loss_fn=loss_fn)
+            xo, yo = torch.randn(4, 6, 16), torch.randn(4, 6, 16)
+            autopar.parallelize(other, mesh_for((dist.get_world_size(),)),
+                                loss_fn=torch.nn.functional.mse_loss, example_inputs=(xo, yo),
+                                plan=plan)
+        elif kind == "parameters_before_planning":
+            pm = autopar.parallelize(model, mesh_for((dist.get_world_size(),)),
+                                     loss_fn=loss_fn)
+            pm.parameters()
+        else:
+            raise ValueError(kind)
+    except Exception as e:  # noqa: BLE001 - the test inspects the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def odd_or_unsupported(name: str, mesh_shape: tuple, force=None) -> dict | None:
+    """Equivalence for the bad-input models (same checks as train_equivalence)."""
+    global build
+    original = build
+    build = build_odd_or_unsupported  # noqa: F841 - train_equivalence looks it up by name
+    try:
+        return train_equivalence(name, mesh_shape, force)
+    finally:
+        build = original

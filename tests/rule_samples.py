@@ -290,6 +290,13 @@ _RESHAPES = {
 }
 for _name, (_shape, _target) in _RESHAPES.items():
     add(aten.view.default, _name, lambda g, _s=_shape, _t=_target: call(g.f(*_s), _t))
+# Every pair among these shapes of 24 elements (merges, splits, regroupings, unit dims).
+_SHAPES_24 = [(24,), (4, 6), (6, 4), (2, 12), (2, 3, 4), (4, 3, 2), (3, 8), (2, 2, 6), (4, 1, 6)]
+for _a in _SHAPES_24:
+    for _b in _SHAPES_24:
+        if _a != _b:
+            add(aten.view.default, "x".join(map(str, _a)) + "_to_" + "x".join(map(str, _b)),
+                lambda g, _s=_a, _t=_b: call(g.f(*_s), list(_t)))
 for _name in ("merge_4x6x8_24x8", "split_24x8_4x6x8", "merge_inner_4x6x8_4x48",
               "split_12x5_3x4x5", "regroup_4x6_2x12", "infer_6x4x2_m1x2"):
     _shape, _target = _RESHAPES[_name]

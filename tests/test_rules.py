@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
-
 from autopar.passes.placement import divisible, fmt, local_shape, local_slices
 from autopar.passes.rules import LOWERINGS, RULES, LocalContext, OpCall, Rule1D, TensorArg
 from autopar.passes.strategies import _ints_not_partial
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.utils import _pytree as pytree
+
 from tests.rule_samples import SAMPLES, Gen, Sample
 
 MESH_SIZES = (2, 3)
@@ -123,7 +123,7 @@ def collect() -> list[Case]:
         try:
             _, _, _, call = built(sample)
             rules = RULES[sample.op](call)
-        except Exception as e:  # reported by the test, not at collection
+        except Exception as e:  # noqa: BLE001 (reported by the test, not at collection)
             cases.append(Case(sample, 0, None, f"{type(e).__name__}: {e}"))
             continue
         for n in MESH_SIZES:
@@ -174,8 +174,10 @@ def _close(a: torch.Tensor, b: torch.Tensor, msg: str, precise: bool = True) -> 
     """Tight tolerances when everything was computed in float64, the dtype's defaults otherwise."""
     if precise and a.dtype == torch.float64:
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9, msg=lambda m: f"{msg}\n{m}")
+    elif a.is_floating_point():
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{msg}\n{m}")
     else:
-        torch.testing.assert_close(a, b, msg=lambda m: f"{msg}\n{m}")
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{msg}\n{m}")
 
 
 def join(parts: list[torch.Tensor], p, what: str) -> torch.Tensor:
@@ -299,6 +301,8 @@ def check(case: Case) -> None:
         _close(got, w, f"{case.id}: gradient of input {i} (placement {fmt((p,))})", precise)
 
 
+# torch's own mse_loss backward warns for a broadcast target (the all-replicate case).
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_strategy(case: Case) -> None:
     if case.error is not None:

@@ -17,8 +17,12 @@ from .registry import P, R, LocalContext, OpCall, Rule1D, Shard, aten, lowering,
 
 @register(aten.embedding.default)
 def embedding(call: OpCall) -> list[Rule1D]:
-    """embedding(weight (V, H), indices (...))."""
+    """embedding(weight (V, H), indices (...), padding_idx, scale_grad_by_freq, sparse)."""
     idx = call.inputs[1]
+    if call.arg(3, "scale_grad_by_freq", False):
+        # The gradient is scaled by each token's count among all the indices: every rank must
+        # see all of them and look them all up in full rows.
+        return [Rule1D((Shard(1), R), Shard(idx.ndim)), Rule1D((R, R), R)]
     rules = [Rule1D((R, Shard(j)), Shard(j)) for j in range(idx.ndim)]
     rules += [
         Rule1D((Shard(1), R), Shard(idx.ndim)),
@@ -28,11 +32,14 @@ def embedding(call: OpCall) -> list[Rule1D]:
     return rules
 
 
-def _vocab_parallel_embedding(weight, indices, start: int, length: int):
-    """Look up the rows this rank owns; other tokens give zeros (summed across ranks later)."""
+def _vocab_parallel_embedding(weight, indices, start: int, length: int, padding_idx: int = -1):
+    """Look up the rows this rank owns; other tokens give zeros (summed across ranks later).
+    The padding row (which gets no gradient) is the owning rank's local row."""
     owned = (indices >= start) & (indices < start + length)
     local = torch.where(owned, indices - start, torch.zeros_like(indices))
-    return F.embedding(local, weight) * owned.unsqueeze(-1).to(weight.dtype)
+    local_pad = padding_idx - start if start <= padding_idx < start + length else -1
+    return (torch.ops.aten.embedding.default(weight, local, local_pad)
+            * owned.unsqueeze(-1).to(weight.dtype))
 
 
 @lowering(aten.embedding.default)
@@ -42,7 +49,8 @@ def lower_embedding(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
         return call.target, args, kwargs
     start, length = local_slices(call.inputs[0].shape, ctx.in_placements[0], ctx.mesh_shape,
                                  ctx.coords)[0]
-    return _vocab_parallel_embedding, (args[0], args[1], start, length), {}
+    return _vocab_parallel_embedding, (args[0], args[1], start, length,
+                                       call.arg(2, "padding_idx", -1)), {}
 
 
 _MEAN, _SUM, _NONE = 1, 2, 0
@@ -66,10 +74,13 @@ def cross_entropy(call: OpCall) -> list[Rule1D]:
 
 
 def _cross_entropy_rows(x, target, start: int, length: int, ignore_index: int, smoothing: float):
-    """This rank's share of the mean loss: its rows' sum over the global count of targets."""
+    """This rank's share of the mean loss: its rows' sum over the global count of targets
+    (the rows not ignored for class indices; all rows for class probabilities)."""
     rows = target.narrow(0, start, length)
     total = F.cross_entropy(x, rows, reduction="sum", ignore_index=ignore_index,
                             label_smoothing=smoothing)
+    if target.is_floating_point():
+        return total / target.shape[0]
     return total / (target != ignore_index).sum()
 
 

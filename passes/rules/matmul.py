@@ -71,14 +71,18 @@ def batched(call: OpCall) -> list[Rule1D]:
     """Batched product with broadcast batch dimensions: a (..., M, K), b (..., K, N)."""
     a, b = call.inputs
     n = call.out_ndim
+    # A vector operand has no batch dimensions and contributes no output dimension (matmul
+    # drops its M or N), so the output is (*batch, M if a.ndim >= 2, N if b.ndim >= 2).
+    a_batch, b_batch = max(a.ndim - 2, 0), max(b.ndim - 2, 0)
+    nb = max(a_batch, b_batch)
     rules = []
-    for d in range(n - 2):  # batch dimensions, aligned from the right
-        ja, jb = d - (n - a.ndim), d - (n - b.ndim)
+    for d in range(nb):  # batch dimensions, aligned from the right
+        ja, jb = d - (nb - a_batch), d - (nb - b_batch)
         pa = Shard(ja) if ja >= 0 and a.shape[ja] == call.out_shape[d] else R
         pb = Shard(jb) if jb >= 0 and b.shape[jb] == call.out_shape[d] else R
         rules.append(Rule1D((pa, pb), Shard(d)))
     if a.ndim >= 2:
-        rules.append(Rule1D((Shard(a.ndim - 2), R), Shard(n - 2)))
+        rules.append(Rule1D((Shard(a.ndim - 2), R), Shard(nb)))
         if b.ndim >= 2:
             rules.append(Rule1D((Shard(a.ndim - 1), Shard(b.ndim - 2)), P))
     if b.ndim >= 2:
@@ -95,13 +99,14 @@ def lower_linear(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
     return call.target, args, kwargs
 
 
-def _mm_only(b, x, w):
-    return torch.ops.aten.mm.default(x, w)
+def _mm_only(b, x, w, *, beta=1, alpha=1):
+    out = torch.ops.aten.mm.default(x, w)
+    return out if alpha == 1 else out * alpha
 
 
 @lowering(aten.addmm.default)
 def lower_addmm(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
     """Add the bias on one rank only when the output is a pending sum."""
     if _bias_once_placements(ctx):
-        return _mm_only, args[:3], {}
+        return _mm_only, args[:3], kwargs
     return call.target, args, kwargs

@@ -68,11 +68,18 @@ def pointwise(call: OpCall) -> list[Rule1D]:
     return broadcast_rules(call)
 
 
+def _converts_to_non_float(call: OpCall) -> bool:
+    """True for a conversion to an integer or boolean dtype (rounding is not linear)."""
+    pos = {aten.to.dtype: 1, aten.to.device: 2}.get(call.target)
+    dtype = call.arg(pos, "dtype") if pos is not None else call.kwargs.get("dtype")
+    return dtype is not None and not (dtype.is_floating_point or dtype.is_complex)
+
+
 @register(*LINEAR_UNARY)
 def linear_pointwise(call: OpCall) -> list[Rule1D]:
     """Elementwise op linear in its tensor input: also Partial -> Partial."""
     rules = broadcast_rules(call)
-    if len(call.inputs) == 1:
+    if len(call.inputs) == 1 and not _converts_to_non_float(call):
         rules.append(Rule1D((P,), P))
     return rules
 

@@ -58,8 +58,8 @@ def other_reduction(call: OpCall) -> list[Rule1D]:
     return _reduction_rules(call, linear=False)
 
 
-def _scaled_mean(x, dims, keepdim, scale):
-    return torch.ops.aten.mean.dim(x, dims, keepdim) * scale
+def _scaled_mean(x, dims, keepdim, scale, dtype=None):
+    return torch.ops.aten.mean.dim(x, dims, keepdim, dtype=dtype) * scale
 
 
 @lowering(aten.mean.dim, aten.mean.default)
@@ -73,7 +73,7 @@ def lower_mean(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
             pieces *= ctx.mesh_shape[k]
     if pieces == 1:
         return call.target, args, kwargs
-    return _scaled_mean, (args[0], reduced, keepdim, 1.0 / pieces), {}
+    return _scaled_mean, (args[0], reduced, keepdim, 1.0 / pieces, kwargs.get("dtype")), {}
 
 
 @register(aten._softmax.default, aten._log_softmax.default, aten.softmax.int,

@@ -1,0 +1,72 @@
+"""The core property on real gloo process groups: loss, gradients of every parameter, parameters
+after 3 AdamW steps, and the inference output equal single-device training, for the solver's
+plan and for forced data-parallel, tensor-parallel, FSDP and 2-D plans."""
+
+import pytest
+
+from tests import rank_tasks
+
+MODELS = ["mlp", "residual_rms", "gpt", "hf_gpt2", "hf_llama"]
+ONE_D = [None, "data", "tensor", "fsdp"]
+TWO_D = [None, {"dp": "data", "tp": "tensor"}, {"dp": "fsdp", "tp": "tensor"}, "fsdp"]
+
+
+def _check_style(plan: dict, force) -> None:
+    """The plan is what the style promises."""
+    params = plan["parameters"]
+    styles = [force] * len(plan["mesh"]["shape"]) if isinstance(force, str) else (
+        [force.get(n, "auto") for n in plan["mesh"]["names"]] if force else [])
+    for k, style in enumerate(styles):
+        per_dim = {name: _placements(p)[k] for name, p in params.items()}
+        if style == "data":
+            assert all(p == "R" for p in per_dim.values()), per_dim
+        elif style == "fsdp":
+            assert any(p.startswith("S") for p in per_dim.values()), per_dim
+        elif style == "tensor":
+            assert any(p.startswith("S") for n, p in per_dim.items() if n.endswith("weight")), \
+                per_dim
+    if styles and any(s in ("data", "fsdp") for s in styles):
+        # some forward op runs batch-sharded, or the loss is a pending sum
+        assert any("S(0)" in " ".join(o["inputs"]) for o in plan["ops"])
+
+
+def _placements(text: str) -> list[str]:
+    out, i = [], 0
+    while i < len(text):
+        if text[i] in "RP":
+            out.append(text[i])
+            i += 1
+        else:
+            j = text.index(")", i)
+            out.append(text[i:j + 1])
+            i = j + 1
+    return out
+
+
+@pytest.mark.parametrize("force", ONE_D, ids=lambda f: f or "solver")
+@pytest.mark.parametrize("model", MODELS)
+def test_two_ranks(world2, model, force):
+    plan = world2.run(rank_tasks.train_equivalence, model, (2,), force)[0]
+    _check_style(plan, force)
+
+
+@pytest.mark.parametrize("force", ONE_D, ids=lambda f: f or "solver")
+@pytest.mark.parametrize("model", MODELS)
+def test_four_ranks(world4, model, force):
+    plan = world4.run(rank_tasks.train_equivalence, model, (4,), force)[0]
+    _check_style(plan, force)
+
+
+@pytest.mark.parametrize("force", TWO_D, ids=lambda f: str(f or "solver").replace(" ", ""))
+@pytest.mark.parametrize("model", MODELS)
+def test_two_by_two(world4, model, force):
+    plan = world4.run(rank_tasks.train_equivalence, model, (2, 2), force)[0]
+    _check_style(plan, force)
+
+
+def test_tensor_parallel_uses_megatron_pairs(world2):
+    """Forced tensor parallel on the GPT shards the MLP's first weight by rows (column parallel)
+    and its second by columns (row parallel)."""
+    plan = world2.run(rank_tasks.train_equivalence, "gpt", (2,), "tensor")[0]
+    p = plan["parameters"]
+    assert p["h.0.mlp.c_fc.weight"] == "S(0)" and p["h.0.mlp.c_proj.weight"] == "S(1)"

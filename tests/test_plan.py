@@ -1,0 +1,93 @@
+"""Planning without processes: the Plan's table, serialization, meta models, mesh links."""
+
+import json
+
+import pytest
+import torch
+
+import autopar
+from autopar.passes.placement import fmt
+from tests.models import GPT, GPTConfig, hf_llama, lm_loss
+
+
+def gpt_plan(shape=(2, 2), hardware="cpu", **kwargs):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    x = torch.randint(0, 64, (4, 16))
+    spec = autopar.MeshSpec(shape, names=("dp", "tp")[:len(shape)], hardware=hardware)
+    return autopar.plan(model, spec, (x, x), loss_fn=lm_loss, **kwargs)
+
+
+def test_print_is_a_table_with_cost_and_collectives():
+    plan = gpt_plan(force={"dp": "fsdp", "tp": "tensor"})
+    text = str(plan)
+    assert text.splitlines()[0].startswith("autopar plan  mesh (dp=2,tp=2) on cpu")
+    header = next(line for line in text.splitlines() if line.startswith("op group"))
+    for col in ("aten op", "inputs", "output", "ms", "collectives"):
+        assert col in header
+    assert "scaled_dot_product_attention" in text
+    assert "collectives per step:" in text and "all_gather" in text
+    assert "predicted step" in text and "memory per device" in text
+    assert "parameters (storage placement):" in text
+
+
+def test_plan_fields():
+    plan = gpt_plan()
+    assert len(plan.inputs) == 1 and len(plan.inputs[0]) == 2  # one input, a 2-D mesh
+    names = {n for n, _ in GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
+                                         n_embd=32)).named_parameters()}
+    assert set(plan.parameters) == names  # the model's own names; tied weights once
+    assert all(o.time >= 0 and o.stage == 0 for o in plan.ops)
+    assert plan.cost.step_time == pytest.approx(plan.cost.compute
+                                                + plan.cost.communication_total)
+    assert set(plan.cost.memory) == {"parameters", "gradients", "optimizer", "activations"}
+
+
+def test_save_load_round_trip(tmp_path):
+    plan = gpt_plan(force={"dp": "data", "tp": "tensor"})
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    json.loads(path.read_text())  # plain JSON
+    loaded = autopar.Plan.load(str(path))
+    assert loaded.hash() == plan.hash()
+    assert loaded.to_dict() == plan.to_dict()
+    assert {k: fmt(v) for k, v in loaded.parameters.items()} == \
+        {k: fmt(v) for k, v in plan.parameters.items()}
+
+
+def test_hash_changes_with_the_decision():
+    assert gpt_plan(force="data").hash() != gpt_plan(force="fsdp").hash()
+
+
+def test_meta_device_model_can_be_planned():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    x = torch.randint(0, 64, (4, 16), device="meta")
+    plan = autopar.plan(model, autopar.MeshSpec((8,), hardware="h100"), (x, x), loss_fn=lm_loss)
+    assert plan.cost.step_time > 0
+
+
+def test_llama_on_a_large_simulated_mesh():
+    """No processes: a Llama-shaped model on 2 x 4 simulated H100s."""
+    torch.manual_seed(0)
+    model = hf_llama(num_hidden_layers=2, hidden_size=256, num_attention_heads=8,
+                     num_key_value_heads=4, intermediate_size=512, vocab_size=512,
+                     max_position_embeddings=64)
+    x = torch.randint(0, 512, (8, 64))
+    plan = autopar.plan(model, autopar.MeshSpec((2, 4), names=("dp", "tp")), (x, x),
+                        loss_fn=lm_loss)
+    assert plan.unsupported_ops == []
+    assert plan.cost.step_time == pytest.approx(plan.cost.solver_objective, rel=1e-6)
+
+
+def test_mesh_links_follow_nodes():
+    spec = autopar.MeshSpec((8, 8), names=("dp", "tp"), hardware="h100")
+    assert spec.link(1).name == "nvlink4"  # 8 consecutive GPUs: one node
+    assert spec.link(0).name == "ib-ndr"   # strided across nodes
+    assert autopar.MeshSpec((2, 4)).link(0).name == "nvlink4"
+    assert autopar.MeshSpec((16,)).link(0).name == "ib-ndr"
+
+
+def test_unknown_hardware():
+    with pytest.raises(ValueError, match="built-in profiles"):
+        autopar.MeshSpec((2,), hardware="tpu-v9")
