@@ -45,7 +45,8 @@ class HardwareProfile:
 
     def with_links(self, intra: Link | None = None, inter: Link | None = None) -> HardwareProfile:
         """A copy with measured links (see autopar.calibrate)."""
-        return replace(self, intra_node=intra or self.intra_node, inter_node=inter or self.inter_node)
+        return replace(self, intra_node=intra or self.intra_node,
+                       inter_node=inter or self.inter_node)
 
     def to_dict(self) -> dict:
         """Plain data for JSON."""

@@ -19,9 +19,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
-
 from autopar.solver.reshard import plan_steps
+from torch.utils import _pytree as pytree
 
 from .placement import Placements, R, local_shape
 from .rules import LOWERINGS, LocalContext, TensorArg
@@ -109,9 +108,7 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
             local_inputs.append(reshard(src_name, idx, snode.in_shapes[slot], src,
                                         strat.inputs[slot]))
         call = snode.call
-        it = iter(local_inputs)
-        args = pytree.tree_map(lambda a: next(it) if _is_tensor_arg(a) else a, call.args)
-        kwargs = pytree.tree_map(lambda a: next(it) if _is_tensor_arg(a) else a, call.kwargs)
+        args, kwargs = _substitute((call.args, call.kwargs), local_inputs)
         outs = strat.output if snode.multi_output else (strat.output,)
         ctx = LocalContext(mesh_shape, coords, strat.inputs, strat.output,
                            [local_shape(s, p, mesh_shape) for s, p in zip(snode.out_shapes, outs)])
@@ -155,5 +152,7 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
     return LocalPrograms(train, infer, placeholders, loss_placement)
 
 
-def _is_tensor_arg(a) -> bool:
-    return isinstance(a, TensorArg)
+def _substitute(tree, values: list):
+    """Replace the TensorArgs of an argument tree by `values`, in flattened order."""
+    it = iter(values)
+    return pytree.tree_map(lambda a: next(it) if isinstance(a, TensorArg) else a, tree)

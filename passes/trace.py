@@ -204,10 +204,10 @@ def _inline_grad_mode_wrappers(gm: fx.GraphModule) -> None:
                 if sn.op == "placeholder":
                     continue
                 if sn.op == "output":
-                    result = pytree.tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a,
-                                             sn.args[0])
+                    result = pytree.tree_map(
+                        lambda a, env=env: env[a] if isinstance(a, fx.Node) else a, sn.args[0])
                     break
-                new = gm.graph.node_copy(sn, lambda a: env[a])
+                new = gm.graph.node_copy(sn, env.__getitem__)
                 env[sn] = new
         for user in list(node.users):
             if user.op == "call_function" and user.target is operator.getitem:

@@ -28,10 +28,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ortools.linear_solver import pywraplp
-
 from autopar.passes.placement import Partial, R
 from autopar.passes.strategies import SNode, Strategy, StrategyGraph
+from ortools.linear_solver import pywraplp
 
 from .cost import INFEASIBLE, CostModel
 

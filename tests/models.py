@@ -4,6 +4,8 @@
 import torch
 from torch import nn
 
+from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: F401  (the demo's model)
+
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "tanh": nn.Tanh}
 
 
@@ -70,7 +72,6 @@ class ResidualMLP(nn.Module):
         return x
 
 
-from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: F401  (the demo's model)
 
 
 class LogitsOnly(nn.Module):

@@ -50,6 +50,12 @@ def build(name: str):
         model = models.hf_llama(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                 num_key_value_heads=2, intermediate_size=64, vocab_size=64,
                                 max_position_embeddings=16)
+    elif name == "odd":  # batch 3, widths 5/6/7: only the hidden width 6 splits over 2 ranks
+        return models.MLP([5, 6, 7]), torch.nn.functional.cross_entropy, (
+            torch.randn(3, 5), torch.randint(0, 7, (3,)))
+    elif name == "unsupported":  # aten.flip has no sharding rule
+        return _Flipped(), torch.nn.functional.cross_entropy, (
+            torch.randn(4, 8), torch.randint(0, 8, (4,)))
     else:
         raise ValueError(name)
     x = torch.randint(0, 64, (4, 16))
@@ -94,18 +100,6 @@ def train_equivalence(name: str, mesh_shape: tuple, force=None, steps: int = 3) 
     with torch.no_grad():
         torch.testing.assert_close(pm(x), ref(x), rtol=RTOL, atol=ATOL)
     return pm.plan.to_dict() if dist.get_rank() == 0 else None
-
-
-def build_odd_or_unsupported(name: str):
-    """Models for the bad-input tests: sizes that divide by nothing, an op with no rule."""
-    torch.manual_seed(0)
-    if name == "odd":  # batch 3, widths 5/6/7: no dimension splits over 2 ranks except 6
-        return models.MLP([5, 6, 7]), torch.nn.functional.cross_entropy, (
-            torch.randn(3, 5), torch.randint(0, 7, (3,)))
-    if name == "unsupported":  # aten.flip has no sharding rule
-        return _Flipped(), torch.nn.functional.cross_entropy, (
-            torch.randn(4, 8), torch.randint(0, 8, (4,)))
-    raise ValueError(name)
 
 
 class _Flipped(torch.nn.Module):
@@ -153,14 +147,3 @@ def expect_error(kind: str) -> str:
     except Exception as e:  # noqa: BLE001 - the test inspects the message
         return f"{type(e).__name__}: {e}"
     return "no error"
-
-
-def odd_or_unsupported(name: str, mesh_shape: tuple, force=None) -> dict | None:
-    """Equivalence for the bad-input models (same checks as train_equivalence)."""
-    global build
-    original = build
-    build = build_odd_or_unsupported  # noqa: F841 - train_equivalence looks it up by name
-    try:
-        return train_equivalence(name, mesh_shape, force)
-    finally:
-        build = original

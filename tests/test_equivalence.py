@@ -25,9 +25,10 @@ def _check_style(plan: dict, force) -> None:
         elif style == "tensor":
             assert any(p.startswith("S") for n, p in per_dim.items() if n.endswith("weight")), \
                 per_dim
-    if styles and any(s in ("data", "fsdp") for s in styles):
-        # some forward op runs batch-sharded, or the loss is a pending sum
-        assert any("S(0)" in " ".join(o["inputs"]) for o in plan["ops"])
+    for k, style in enumerate(styles):
+        if style in ("data", "fsdp"):  # compute is split (by batch or sequence) on dimension k
+            assert any(o["inputs"] and _placements(o["inputs"][0])[k].startswith("S")
+                       for o in plan["ops"]), plan["ops"]
 
 
 def _placements(text: str) -> list[str]:

@@ -5,10 +5,10 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-
-import autopar
 from autopar.passes.trace import TraceError
 from autopar.solver.ilp import NoFeasiblePlan
+
+import autopar
 from tests import rank_tasks
 from tests.models import MLP
 
@@ -45,20 +45,20 @@ def test_parameters_before_planning(world2):
 def test_indivisible_shapes_are_planned_around(world2, force):
     """Batch 3 and widths 5/7 do not split over 2 ranks: the plan keeps those dimensions whole
     and the numbers stay right."""
-    plan = world2.run(rank_tasks.odd_or_unsupported, "odd", (2,), force)[0]
+    plan = world2.run(rank_tasks.train_equivalence, "odd", (2,), force)[0]
     for op in plan["ops"]:
         assert "S(0)" not in op["inputs"][:1] or not op["op"].startswith("linear"), op
 
 
 def test_unsupported_op_runs_replicated(world2):
-    plan = world2.run(rank_tasks.odd_or_unsupported, "unsupported", (2,), None)[0]
+    plan = world2.run(rank_tasks.train_equivalence, "unsupported", (2,), None)[0]
     assert plan["unsupported_ops"] == ["aten.flip.default"]
     flip = next(o for o in plan["ops"] if o["op"] == "flip.default")
     assert flip["inputs"] == ["R"] and flip["output"] == "R"
 
 
 def test_unsupported_op_warns_once_naming_it():
-    model, loss_fn, example = rank_tasks.build_odd_or_unsupported("unsupported")
+    model, loss_fn, example = rank_tasks.build("unsupported")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         autopar.plan(model, autopar.MeshSpec((2,), hardware="cpu"), example, loss_fn=loss_fn)

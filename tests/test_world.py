@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests import world_tasks as tasks
-from tests.world import World, WorkerError
+from tests.world import WorkerError, World
 
 
 def test_results_in_rank_order(world4):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..placement import local_slices
-from .registry import R, LocalContext, OpCall, Rule1D, Shard, aten, lowering, register
+from .registry import LocalContext, OpCall, R, Rule1D, Shard, aten, lowering, register
 
 
 @register(aten.scaled_dot_product_attention.default)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..placement import local_slices
-from .registry import P, R, LocalContext, OpCall, Rule1D, Shard, aten, lowering, register
+from .registry import LocalContext, OpCall, P, R, Rule1D, Shard, aten, lowering, register
 
 
 @register(aten.embedding.default)

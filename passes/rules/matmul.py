@@ -11,7 +11,16 @@ from __future__ import annotations
 import torch
 
 from .registry import (
-    P, R, LocalContext, OpCall, Rule1D, Shard, aten, dedupe, lowering, register,
+    LocalContext,
+    OpCall,
+    P,
+    R,
+    Rule1D,
+    Shard,
+    aten,
+    dedupe,
+    lowering,
+    register,
 )
 
 

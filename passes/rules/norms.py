@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .registry import R, OpCall, Rule1D, Shard, aten, register
+from .registry import OpCall, R, Rule1D, Shard, aten, register
 
 
 @register(aten.layer_norm.default, aten.rms_norm.default)

@@ -6,7 +6,7 @@ per-rank pieces stays a sum after negation, scaling by a replicated factor, or a
 
 from __future__ import annotations
 
-from .registry import P, R, OpCall, Rule1D, Shard, TensorArg, aten, dedupe, register
+from .registry import OpCall, P, R, Rule1D, Shard, TensorArg, aten, dedupe, register
 
 UNARY = [
     aten.abs.default, aten.exp.default, aten.log.default, aten.sqrt.default, aten.rsqrt.default,

@@ -10,7 +10,16 @@ from __future__ import annotations
 import torch
 
 from .registry import (
-    P, R, LocalContext, OpCall, Rule1D, Shard, aten, lowering, norm_dim, register,
+    LocalContext,
+    OpCall,
+    P,
+    R,
+    Rule1D,
+    Shard,
+    aten,
+    lowering,
+    norm_dim,
+    register,
 )
 
 

@@ -1,4 +1,5 @@
-"""The sharding-rule registry: for each ATen op, the placements it can run under on one mesh dimension.
+"""The sharding-rule registry: for each ATen op, the placements it can run under on one mesh
+dimension.
 
 A rule is a function `rule(call: OpCall) -> list[Rule1D]`, registered for one or more ops with
 `@register(aten.op.overload, ...)`. It lists, for the op's shapes, every valid assignment of
@@ -20,6 +21,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 aten = torch.ops.aten
+__all__ = ["LOWERINGS", "RULES", "LocalContext", "OpCall", "P", "R", "Rule1D", "Shard",
+           "TensorArg", "aten", "dedupe", "lowering", "norm_dim", "register", "replicate_all"]
 R = Replicate()
 P = Partial()
 

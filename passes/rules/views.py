@@ -9,7 +9,17 @@ are linear, so Partial passes through. Ops that take a shape argument get it mad
 from __future__ import annotations
 
 from .registry import (
-    P, R, LocalContext, OpCall, Rule1D, Shard, aten, dedupe, lowering, norm_dim, register,
+    LocalContext,
+    OpCall,
+    P,
+    R,
+    Rule1D,
+    Shard,
+    aten,
+    dedupe,
+    lowering,
+    norm_dim,
+    register,
 )
 
 
