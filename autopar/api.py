@@ -41,20 +41,21 @@ def _trace(model, example_inputs, loss_fn) -> TracedProgram:
 
 def plan(model: nn.Module, mesh: MeshSpec, example_inputs, loss_fn=None, *,
          memory_budget: float | None = None, force=None, solver: str = "HIGHS",
-         time_limit: float = 60.0) -> Plan:
+         time_limit: float = 60.0, seed: int = 0) -> Plan:
     """Plan `model` for `mesh` without running it: trace, enumerate strategies, solve.
 
     `example_inputs` are the model's inputs (followed by the target when `loss_fn` is given:
     exactly what `step` will receive); they may live on the meta device. `memory_budget` is in
     bytes per device (default: the hardware's memory less its reserve). `force` pins mesh
     dimensions to a standard style ("data", "fsdp", "tensor"; see autopar.passes.styles), by
-    dimension name or index, for comparisons and tests.
+    dimension name or index, for comparisons and tests. `solver` is an OR-Tools backend
+    ("HIGHS", "SCIP", "CBC", "CP_SAT"), or "random" for a valid plan drawn with `seed`.
     """
     if not isinstance(mesh, MeshSpec):
         mesh = MeshSpec.from_device_mesh(mesh)
     program = _trace(model, example_inputs, loss_fn)
     result, _ = solve_plan(program, mesh, memory_budget=memory_budget, force=force,
-                           solver=solver, time_limit=time_limit)
+                           solver=solver, time_limit=time_limit, seed=seed)
     return result
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 
 from autopar.passes import strategies as strat_pass
 from autopar.passes.placement import fmt, local_shape
@@ -10,7 +11,7 @@ from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, Strategy, Stra
 from autopar.passes.styles import allowed_strategies
 from autopar.passes.trace import TracedProgram
 from autopar.solver.cost import CostModel, numel
-from autopar.solver.ilp import Solution, loss_sink_time, plan_time, solve
+from autopar.solver.ilp import Solution, loss_sink_time, plan_time, random_choice, solve
 
 from .mesh import MeshSpec
 from .plan import Collective, OpEntry, Plan, PlanCost
@@ -44,10 +45,19 @@ def styles_by_dim(mesh: MeshSpec, force) -> dict[int, str]:
 
 
 def solve_plan(program: TracedProgram, mesh: MeshSpec, *, memory_budget=None, force=None,
-               solver: str = "HIGHS", time_limit: float = 60.0) -> tuple[Plan, StrategyGraph]:
-    """Build strategies, solve the ILP and describe the result."""
+               solver: str = "HIGHS", time_limit: float = 60.0,
+               seed: int = 0) -> tuple[Plan, StrategyGraph]:
+    """Build strategies, solve the ILP and describe the result.
+
+    `solver="random"` draws a valid plan instead (seeded by `seed`): any plan the ILP could
+    choose may come out, which is what the property tests run.
+    """
     graph = strat_pass.build(program, mesh.shape)
     cost = CostModel(mesh)
+    if solver == "random":
+        drawn = random_choice(graph, cost, random.Random(seed))
+        choice = {n: graph.nodes[n].strategies[i] for n, i in drawn.items()}
+        return describe(program, graph, mesh, cost, choice), graph
     forced, discouraged = allowed_strategies(graph, styles_by_dim(mesh, force))
     budget = memory_budget
     if budget is None:

@@ -19,8 +19,9 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
-from autopar.solver.reshard import plan_steps
 from torch.utils import _pytree as pytree
+
+from autopar.solver.reshard import plan_steps
 
 from .placement import Placements, R, local_shape
 from .rules import LOWERINGS, LocalContext, TensorArg

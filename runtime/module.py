@@ -11,10 +11,11 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Partial, Replicate
+
 from autopar.passes.placement import Placements, R, local_slices
 from autopar.passes.rewrite import LocalPrograms
 from autopar.solver.reshard import plan_steps
-from torch.distributed.tensor import Partial, Replicate
 
 from .collectives import MeshComm
 from .grad_sync import GradSync, all_reduce_value

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
 from autopar.passes.placement import Placements, Replicate, local_shape
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, SNode, Strategy, StrategyGraph
 

@@ -24,13 +24,15 @@ the resharding to Replicate, except from a pending sum (see `loss_sink_time`).
 
 from __future__ import annotations
 
+import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ortools.linear_solver import pywraplp
+
 from autopar.passes.placement import Partial, R
 from autopar.passes.strategies import SNode, Strategy, StrategyGraph
-from ortools.linear_solver import pywraplp
 
 from .cost import INFEASIBLE, CostModel
 
@@ -120,6 +122,22 @@ def greedy(graph: StrategyGraph, cost: CostModel) -> dict[str, int]:
             if c < best_cost:
                 best, best_cost = k, c
         choice[v.name] = best
+    return choice
+
+
+def random_choice(graph: StrategyGraph, cost: CostModel, rng: random.Random) -> dict[str, int]:
+    """A uniformly drawn valid assignment: in topological order, each node draws among the
+    strategies whose inputs can be reached from its producers' drawn placements (nothing is
+    ever resharded into a pending sum). Any plan the ILP could return is a possible draw."""
+    choice: dict[str, int] = {}
+    for v in graph.nodes.values():
+        ok = []
+        for k, s in enumerate(v.strategies):
+            if all(cost.edge_time(graph, v, i, graph.nodes[u].strategies[choice[u]].out(idx),
+                                  s.inputs[i]) != INFEASIBLE
+                   for i, (u, idx) in enumerate(v.inputs)):
+                ok.append(k)
+        choice[v.name] = rng.choice(ok)
     return choice
 
 

@@ -1,4 +1,5 @@
 import pytest
+from hypothesis import settings
 
 from tests.world import get_world
 
@@ -11,3 +12,9 @@ def world2():
 @pytest.fixture(scope="session")
 def world4():
     return get_world(4)
+
+
+# Hypothesis profiles: CI runs a fixed, derandomized budget; `--hypothesis-profile=soak` many more.
+settings.register_profile("ci", max_examples=60, derandomize=True, print_blob=True)
+settings.register_profile("soak", max_examples=500, derandomize=False, print_blob=True)
+settings.load_profile("ci")

@@ -1,7 +1,9 @@
 """Small, plain test models (nanoGPT style, no dropout)."""
 
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: F401  (the demo's model)
@@ -133,3 +135,74 @@ def hf_llama(
         attn_implementation="sdpa",
     )
     return LogitsOnly(LlamaForCausalLM(config))
+
+
+@dataclass
+class TinyConfig:
+    """A drawn transformer: depth, width, heads, grouped-query ratio, sequence, head tying."""
+
+    vocab: int = 16
+    hidden: int = 8
+    heads: int = 2
+    kv_heads: int = 1
+    depth: int = 1
+    seq: int = 4
+    tied: bool = True
+    norm: str = "rmsnorm"
+
+
+class TinyAttention(nn.Module):
+    """Causal attention with grouped-query heads (kv heads repeated as Llama does)."""
+
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.dim = c.heads, c.kv_heads, c.hidden // c.heads
+        self.q = nn.Linear(c.hidden, c.heads * self.dim, bias=False)
+        self.kv = nn.Linear(c.hidden, 2 * c.kv_heads * self.dim, bias=False)
+        self.o = nn.Linear(c.heads * self.dim, c.hidden, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.heads, self.dim).transpose(1, 2)
+        k, v = self.kv(x).split(self.kv_heads * self.dim, dim=-1)
+        k = k.view(B, T, self.kv_heads, self.dim).transpose(1, 2)
+        v = v.view(B, T, self.kv_heads, self.dim).transpose(1, 2)
+        rep = self.heads // self.kv_heads
+        k = k[:, :, None].expand(B, self.kv_heads, rep, T, self.dim).reshape(B, self.heads, T,
+                                                                              self.dim)
+        v = v[:, :, None].expand(B, self.kv_heads, rep, T, self.dim).reshape(B, self.heads, T,
+                                                                              self.dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.n1, self.n2 = make_norm(c.norm, c.hidden), make_norm(c.norm, c.hidden)
+        self.attn = TinyAttention(c)
+        self.up = nn.Linear(c.hidden, 2 * c.hidden)
+        self.down = nn.Linear(2 * c.hidden, c.hidden)
+
+    def forward(self, x):
+        x = x + self.attn(self.n1(x))
+        return x + self.down(F.silu(self.up(self.n2(x))))
+
+
+class TinyTransformer(nn.Module):
+    """Embedding, `depth` blocks, final norm, LM head (tied to the embedding or not)."""
+
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.emb = nn.Embedding(c.vocab, c.hidden)
+        self.blocks = nn.ModuleList([TinyBlock(c) for _ in range(c.depth)])
+        self.norm = make_norm(c.norm, c.hidden)
+        self.head = nn.Linear(c.hidden, c.vocab, bias=False)
+        if c.tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))

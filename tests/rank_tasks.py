@@ -23,14 +23,21 @@ def mesh_for(shape: tuple[int, ...]):
     """One DeviceMesh per shape per process (creating one is a collective)."""
     shape = tuple(shape)
     if shape not in _MESHES:
-        names = ("dp", "tp")[:len(shape)] if len(shape) <= 2 else None
-        _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=mesh_names(shape))
     return _MESHES[shape]
 
 
-def build(name: str):
-    """A model, its loss and a batch, identical on every rank."""
+def mesh_names(shape) -> tuple[str, ...]:
+    """The dimension names the tests use: dp, tp (and pp first for 3-D meshes)."""
+    return {1: ("dp",), 2: ("dp", "tp"), 3: ("pp", "dp", "tp")}[len(shape)]
+
+
+def build(name):
+    """A model, its loss and a batch, identical on every rank. `name` is a fixed model's name or
+    a (family, config dict) pair drawn by the property tests."""
     torch.manual_seed(0)
+    if isinstance(name, (tuple, list)):
+        return build_family(*name)
     if name == "mlp":
         model = models.MLP([16, 32, 32, 8])
         x = torch.randn(8, 16)
@@ -63,6 +70,26 @@ def build(name: str):
     return model, models.lm_loss, (x, y)
 
 
+def build_family(family: str, cfg: dict):
+    """A model from a drawn configuration (see tests/test_properties.py)."""
+    torch.manual_seed(cfg.get("seed", 0))
+    if family == "mlp":
+        model = models.MLP(cfg["widths"], activation=cfg["activation"])
+        x = torch.randn(cfg["batch"], cfg["widths"][0])
+        y = torch.randint(0, cfg["widths"][-1], (cfg["batch"],))
+        return model, torch.nn.functional.cross_entropy, (x, y)
+    if family == "residual":
+        model = models.ResidualMLP(cfg["width"], cfg["depth"], norm=cfg["norm"],
+                                   activation=cfg["activation"])
+        x = torch.randn(cfg["batch"], cfg["seq"], cfg["width"])
+        return model, torch.nn.functional.mse_loss, (x, torch.randn_like(x))
+    if family == "tiny":
+        c = models.TinyConfig(**{k: v for k, v in cfg.items() if k not in ("batch", "seed")})
+        x = torch.randint(0, c.vocab, (cfg["batch"], c.seq))
+        return models.TinyTransformer(c), models.lm_loss, (x, torch.roll(x, -1, 1))
+    raise ValueError(family)
+
+
 def _check(what: str, got: dict, want: dict) -> None:
     for name in want:
         try:
@@ -72,13 +99,16 @@ def _check(what: str, got: dict, want: dict) -> None:
                 from None
 
 
-def train_equivalence(name: str, mesh_shape: tuple, force=None, steps: int = 3) -> dict | None:
+def train_equivalence(name, mesh_shape: tuple, force=None, steps: int = 3,
+                      plan: dict | None = None) -> dict | None:
     """Loss, gradients, parameters after `steps` AdamW steps, and the forward output, all equal
-    to single-device training. Returns the plan as data (from rank 0)."""
+    to single-device training. Runs the solver's plan, or `plan` (as data) when given. Returns
+    the plan as data (from rank 0)."""
     model, loss_fn, (x, y) = build(name)
     ref = copy.deepcopy(model)
     mesh = mesh_for(mesh_shape)
-    pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y), force=force)
+    pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y), force=force,
+                             plan=autopar.Plan.from_dict(plan) if plan else None)
     # eps 1e-5 rather than 1e-8: some parameters (attention key biases) have an exactly zero
     # true gradient, and AdamW with a tiny eps divides float noise by float noise, turning
     # reassociation differences of 1e-9 into parameter differences of lr.

@@ -5,10 +5,10 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from autopar.passes.trace import TraceError
-from autopar.solver.ilp import NoFeasiblePlan
 
 import autopar
+from autopar.passes.trace import TraceError
+from autopar.solver.ilp import NoFeasiblePlan
 from tests import rank_tasks
 from tests.models import MLP
 

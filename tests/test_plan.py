@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
-from autopar.passes.placement import fmt
 
 import autopar
+from autopar.passes.placement import fmt
 from tests.models import GPT, GPTConfig, hf_llama, lm_loss
 
 

@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 import torch
-from autopar.passes.placement import divisible, fmt, local_shape, local_slices
-from autopar.passes.rules import LOWERINGS, RULES, LocalContext, OpCall, Rule1D, TensorArg
-from autopar.passes.strategies import _ints_not_partial
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+from autopar.passes.placement import divisible, fmt, local_shape, local_slices
+from autopar.passes.rules import LOWERINGS, RULES, LocalContext, OpCall, Rule1D, TensorArg
+from autopar.passes.strategies import _ints_not_partial
 from tests.rule_samples import SAMPLES, Gen, Sample
 
 MESH_SIZES = (2, 3)

@@ -4,12 +4,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import autopar
 from autopar.passes import strategies
 from autopar.passes.trace import trace
 from autopar.solver.cost import CostModel
 from autopar.solver.ilp import plan_time, solve
-
-import autopar
 
 
 def two_layer_mlp(batch: int, hidden: int):

@@ -24,11 +24,15 @@ from .registry import (
 )
 
 
-def _bias_once_placements(ctx: LocalContext) -> bool:
-    """True if this rank must skip the bias: the output is a pending sum on some mesh dimension
-    where this rank is not the first."""
-    return any(isinstance(p, type(P)) and ctx.coords[k] != 0
-               for k, p in enumerate(ctx.out_placements))
+def _has_partial_output(ctx: LocalContext) -> bool:
+    """The output is a pending sum on some mesh dimension."""
+    return any(isinstance(p, type(P)) for p in ctx.out_placements)
+
+
+def _bias_keep(ctx: LocalContext) -> float:
+    """1 on the rank that adds the bias (coordinate 0 of every pending-sum dimension), else 0."""
+    return float(all(ctx.coords[k] == 0 for k, p in enumerate(ctx.out_placements)
+                     if isinstance(p, type(P))))
 
 
 @register(aten.linear.default)
@@ -100,22 +104,29 @@ def batched(call: OpCall) -> list[Rule1D]:
     return dedupe(rules)
 
 
+def _linear_bias_scaled(x, w, b, keep: float):
+    return torch.ops.aten.linear.default(x, w, b * keep)
+
+
+def _addmm_bias_scaled(b, x, w, keep: float, *, beta=1, alpha=1):
+    return torch.ops.aten.addmm.default(b * keep, x, w, beta=beta, alpha=alpha)
+
+
+# The bias of a product whose output is a pending sum must count once: it is scaled by 1 on the
+# first rank of those mesh dimensions and by 0 elsewhere. Every rank runs the same ops (never a
+# different program): backward issues collectives in graph order, so ranks whose autograd
+# graphs differed in shape could issue them in different orders and deadlock.
 @lowering(aten.linear.default)
 def lower_linear(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
-    """Add the bias on one rank only when the output is a pending sum."""
-    if len(args) >= 3 and args[2] is not None and _bias_once_placements(ctx):
-        return torch.ops.aten.linear.default, (args[0], args[1]), {}
+    """Count the bias once when the output is a pending sum."""
+    if len(args) >= 3 and args[2] is not None and _has_partial_output(ctx):
+        return _linear_bias_scaled, (*args[:3], _bias_keep(ctx)), {}
     return call.target, args, kwargs
-
-
-def _mm_only(b, x, w, *, beta=1, alpha=1):
-    out = torch.ops.aten.mm.default(x, w)
-    return out if alpha == 1 else out * alpha
 
 
 @lowering(aten.addmm.default)
 def lower_addmm(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
-    """Add the bias on one rank only when the output is a pending sum."""
-    if _bias_once_placements(ctx):
-        return _mm_only, args[:3], kwargs
+    """Count the bias once when the output is a pending sum."""
+    if _has_partial_output(ctx):
+        return _addmm_bias_scaled, (*args[:3], _bias_keep(ctx)), kwargs
     return call.target, args, kwargs

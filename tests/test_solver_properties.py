@@ -1,0 +1,69 @@
+"""Solver-level properties on small drawn graphs: the ILP's optimum equals brute-force
+enumeration of every assignment under the same cost model, and the objective the solver reports
+equals the cost model's price of the plan it returns."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import autopar
+from autopar.passes import strategies
+from autopar.passes.trace import trace
+from autopar.solver.cost import INFEASIBLE, CostModel
+from autopar.solver.ilp import edges, node_costs, plan_time, solve
+from tests.models import MLP
+
+LIMIT = 60_000  # assignments enumerated at most per example
+
+
+def brute_force(graph, cost) -> float:
+    """The cheapest complete assignment, by enumeration."""
+    names = list(graph.nodes)
+    t = node_costs(graph, cost)
+    es = edges(graph)
+    table = {}
+    for e in es:
+        u, v = graph.nodes[e.producer], graph.nodes[e.consumer]
+        table[id(e)] = [[cost.edge_time(graph, v, e.slot, su.out(e.out_index), sv.inputs[e.slot])
+                         for sv in v.strategies] for su in u.strategies]
+    best = INFEASIBLE
+    for combo in itertools.product(*(range(len(graph.nodes[n].strategies)) for n in names)):
+        choice = dict(zip(names, combo))
+        total = sum(t[n][choice[n]] for n in names)
+        for e in es:
+            total += table[id(e)][choice[e.producer]][choice[e.consumer]]
+            if total >= best:
+                break
+        best = min(best, total)
+    return best
+
+
+@st.composite
+def small_problems(draw):
+    depth = draw(st.integers(1, 2))
+    widths = draw(st.lists(st.sampled_from([2, 3, 4, 6, 8]), min_size=depth + 1,
+                           max_size=depth + 1))
+    batch = draw(st.sampled_from([2, 3, 4, 8, 64]))
+    mesh = draw(st.sampled_from([(2,), (4,)]))
+    hardware = draw(st.sampled_from(["cpu", "h100"]))
+    return widths, batch, mesh, hardware
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=small_problems(), backend=st.sampled_from(["HIGHS", "SCIP", "CP_SAT"]))
+def test_ilp_optimum_equals_brute_force(problem, backend):
+    widths, batch, mesh, hardware = problem
+    torch.manual_seed(0)
+    model = MLP(widths, activation="relu")
+    x, y = torch.randn(batch, widths[0]), torch.randint(0, widths[-1], (batch,))
+    graph = strategies.build(trace(model, (x,), torch.nn.functional.cross_entropy, y), mesh)
+    assume(math.prod(len(v.strategies) for v in graph.nodes.values()) <= LIMIT)
+    cost = CostModel(autopar.MeshSpec(mesh, hardware=hardware))
+    sol = solve(graph, cost, backend=backend)
+    assert sol.objective == pytest.approx(brute_force(graph, cost), rel=1e-5, abs=1e-12)
+    assert plan_time(graph, cost, sol.choice) == pytest.approx(sol.objective, rel=1e-5,
+                                                               abs=1e-12)
