@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ortools.linear_solver import pywraplp
 
+from autopar.passes.cluster import Clustering, identity
 from autopar.passes.placement import Partial, R
 from autopar.passes.strategies import SNode, Strategy, StrategyGraph
 
@@ -72,11 +73,16 @@ def edges(graph: StrategyGraph) -> list[_Edge]:
             for i, (u, idx) in enumerate(v.inputs)]
 
 
-def node_costs(graph: StrategyGraph, cost: CostModel) -> dict[str, list[float]]:
+def node_costs(graph: StrategyGraph, cost: CostModel,
+               twin: dict[str, str] | None = None) -> dict[str, list[float]]:
     """t[v,s]: compute (+ gradient sync) seconds of every strategy, plus the loss's final
-    resharding to Replicate."""
+    resharding to Replicate. Nodes with a `twin` (an identical node of an earlier repeated
+    layer) share its prices."""
     out = {}
     for v in graph.nodes.values():
+        if twin and v.name in twin:
+            out[v.name] = out[twin[v.name]]
+            continue
         out[v.name] = [cost.node_time(v, s) for s in v.strategies]
     for name, idx in ([graph.loss] if graph.loss else []):
         v = graph.nodes[name]
@@ -144,10 +150,11 @@ def random_choice(graph: StrategyGraph, cost: CostModel, rng: random.Random) -> 
 def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = None,
           backend: str = "HIGHS", time_limit: float = 60.0, gap: float = 1e-4,
           forced: dict[str, list[int]] | None = None,
-          discouraged: dict[str, list[int]] | None = None) -> Solution:
+          discouraged: dict[str, list[int]] | None = None,
+          clustering: Clustering | None = None) -> Solution:
     """Solve the intra-op ILP. `forced` restricts nodes to the listed strategy indices;
     `discouraged` strategies carry a penalty of PENALTY seconds each (reported objectives
-    exclude it)."""
+    exclude it); `clustering` (passes.cluster) says which nodes share decisions."""
     backend = backend.upper()
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend}; choose from {BACKENDS}")
@@ -156,70 +163,47 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     if solver is None:
         raise RuntimeError(f"OR-Tools was built without the {backend} backend")
     solver.SetTimeLimit(int(time_limit * 1000))
-    t = node_costs(graph, cost)
+    c = clustering or identity(graph)
+    problem = _owner_problem(graph, cost, c, forced, discouraged)
     x: dict[str, list] = {}
     objective = solver.Objective()
-    for v in graph.nodes.values():
-        allowed = set(forced[v.name]) if forced and v.name in forced else None
+    for o, costs in problem.node_cost.items():
         row = []
-        penalized = set(discouraged.get(v.name, ())) if discouraged else set()
-        for k in range(len(v.strategies)):
-            var = solver.BoolVar(f"x[{v.name},{k}]")
-            if (allowed is not None and k not in allowed) or t[v.name][k] == INFEASIBLE:
+        for t in costs:
+            var = solver.BoolVar("")
+            if t == INFEASIBLE:
                 var.SetUb(0)
-            else:
-                extra = PENALTY if k in penalized else 0.0
-                objective.SetCoefficient(var, (t[v.name][k] + extra) * SCALE)
+            elif t:
+                objective.SetCoefficient(var, t * SCALE)
             row.append(var)
         solver.Add(sum(row) == 1)
-        x[v.name] = row
-
-    for e in edges(graph):
-        u, v = graph.nodes[e.producer], graph.nodes[e.consumer]
-        a_cls = _classes([s.out(e.out_index) for s in u.strategies])
-        b_cls = _classes([s.inputs[e.slot] for s in v.strategies])
-        price = {(a, b): cost.edge_time(graph, v, e.slot, a, b) for a in a_cls for b in b_cls}
-        if len(a_cls) == 1 or len(b_cls) == 1:
-            # One side is fixed: the edge's price is a function of the other side's strategy.
-            for a, ks in a_cls.items():
-                for b, js in b_cls.items():
-                    c = price[(a, b)]
-                    owner, idxs = (v, js) if len(a_cls) == 1 else (u, ks)
-                    for k in idxs:
-                        var = x[owner.name][k]
-                        if c == INFEASIBLE:
-                            var.SetUb(0)
-                        elif c:
-                            objective.SetCoefficient(var, objective.GetCoefficient(var)
-                                                     + c * SCALE)
-            continue
+        x[o] = row
+    for ou, ov, a_of, b_of, price in problem.edges:
         y = {}
-        for (a, b), c in price.items():
-            if c == INFEASIBLE:
+        for (a, b), cst in price.items():
+            if cst == INFEASIBLE:
                 continue
             var = solver.NumVar(0, 1, "")
-            if c:
-                objective.SetCoefficient(var, c * SCALE)
+            if cst:
+                objective.SetCoefficient(var, cst * SCALE)
             y[(a, b)] = var
-        for a, ks in a_cls.items():
-            solver.Add(sum(y[(a, b)] for b in b_cls if (a, b) in y)
-                       == sum(x[u.name][k] for k in ks))
-        for b, js in b_cls.items():
-            solver.Add(sum(y[(a, b)] for a in a_cls if (a, b) in y)
-                       == sum(x[v.name][j] for j in js))
-
+        rows: dict = defaultdict(list)
+        cols: dict = defaultdict(list)
+        for (a, b), var in y.items():
+            rows[a].append(var)
+            cols[b].append(var)
+        for a, ks in _classes(a_of).items():
+            solver.Add(sum(rows[a]) == sum(x[ou][k] for k in ks))
+        for b, js in _classes(b_of).items():
+            solver.Add(sum(cols[b]) == sum(x[ov][j] for j in js))
     if memory_budget is not None:
-        terms = [(x[v.name][k], cost.node_memory(v, s)) for v in graph.nodes.values()
-                 for k, s in enumerate(v.strategies)]
-        solver.Add(sum(var * m for var, m in terms if m) <= memory_budget)
-
+        solver.Add(sum(x[o][k] * m for o, ms in problem.memory.items()
+                       for k, m in enumerate(ms) if m) <= memory_budget)
     objective.SetMinimization()
-    hint = greedy(graph, cost)
-    hint_vars = [var for name, row in x.items() for var in row]
-    hint_vals = [1.0 if k == hint[name] else 0.0 for name, row in x.items()
-                 for k in range(len(row))]
-    if backend != "HIGHS":  # HiGHS ignores hints through this wrapper
-        solver.SetHint(hint_vars, hint_vals)
+    if backend != "HIGHS":  # a feasible start (HiGHS ignores hints through this wrapper)
+        hint = greedy(graph, cost)
+        solver.SetHint([var for row in x.values() for var in row],
+                       [float(k == hint[o]) for o, row in x.items() for k in range(len(row))])
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, gap)
     status = solver.Solve(params)
@@ -228,16 +212,100 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
         if status == pywraplp.Solver.INFEASIBLE:
             raise NoFeasiblePlan("no plan fits the memory budget")
         raise RuntimeError(f"the {backend} solver stopped without a plan (status {status})")
-    choice = {}
-    for name, row in x.items():
-        vals = [var.solution_value() for var in row]
-        choice[name] = max(range(len(row)), key=lambda k: vals[k])
+    owner_choice = {o: max(range(len(row)), key=lambda k, row=row: row[k].solution_value())
+                    for o, row in x.items()}
+    choice = c.expand(owner_choice)
     value = objective.Value() / SCALE
     if discouraged:
         value -= PENALTY * sum(1 for n, ks in discouraged.items() if choice[n] in ks)
     return Solution(choice, value, elapsed, backend,
                     "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
                     solver.NumVariables(), solver.NumConstraints())
+
+
+@dataclass
+class _OwnerProblem:
+    node_cost: dict[str, list[float]]         # owner -> seconds per owner strategy
+    memory: dict[str, list[float]]            # owner -> bytes per owner strategy
+    # edge blocks (producer owner, consumer owner, placement of the edge per producer-owner
+    # strategy, required placement per consumer-owner strategy, price per placement pair)
+    edges: list[tuple[str, str, list, list, dict]]
+
+
+def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
+                   discouraged) -> _OwnerProblem:
+    """Aggregate node and edge costs onto owners. Repeated layers are priced once: a node
+    shares its twin's prices and edges between the same twins are priced once and counted."""
+    t = node_costs(graph, cost, c.twin)
+    owners = c.owners()
+    node_cost = {o: [0.0] * len(c.index[o]) for o in owners}
+    memory = {o: [0.0] * len(c.index[o]) for o in owners}
+    node_memory: dict[str, list[float]] = {}
+    for v, o in c.owner.items():
+        node = graph.nodes[v]
+        tw = c.twin_of(v)
+        if tw not in node_memory:
+            node_memory[tw] = [cost.node_memory(node, s) for s in node.strategies]
+        allowed = set(forced[v]) if forced and v in forced else None
+        penalized = set(discouraged.get(v, ())) if discouraged else set()
+        for k, j in enumerate(c.index[v]):
+            if (allowed is not None and j not in allowed) or t[v][j] == INFEASIBLE:
+                node_cost[o][k] = INFEASIBLE
+            elif node_cost[o][k] != INFEASIBLE:
+                node_cost[o][k] += t[v][j] + (PENALTY if j in penalized else 0.0)
+            memory[o][k] += node_memory[tw][j]
+    groups: dict[tuple, list] = {}  # edges between the same twins: [edge, count]
+    for e in edges(graph):
+        key = (c.twin_of(e.producer), e.out_index, c.twin_of(e.consumer), e.slot)
+        if key in groups:
+            groups[key][1] += 1
+        else:
+            groups[key] = [e, 1]
+    blocks: list[tuple[str, str, list, list, dict]] = []
+    for e, count in groups.values():
+        u, v = graph.nodes[e.producer], graph.nodes[e.consumer]
+        ou, ov = c.owner[u.name], c.owner[v.name]
+        a_of = [u.strategies[j].out(e.out_index) for j in c.index[u.name]]
+        b_of = [v.strategies[j].inputs[e.slot] for j in c.index[v.name]]
+
+        def price(a, b, v=v, e=e, count=count):
+            p = cost.edge_time(graph, v, e.slot, a, b)
+            return p if p == INFEASIBLE else p * count
+
+        if ou == ov:  # both ends decided together: a cost per owner strategy
+            for k, (a, b) in enumerate(zip(a_of, b_of)):
+                _add(node_cost[ou], k, price(a, b))
+            continue
+        a_cls, b_cls = _classes(a_of), _classes(b_of)
+        if len(a_cls) == 1 or len(b_cls) == 1:  # one side fixed: a cost per strategy
+            for a, ks in a_cls.items():
+                for b, js in b_cls.items():
+                    owner, idxs = (ov, js) if len(a_cls) == 1 else (ou, ks)
+                    p = price(a, b)
+                    for k in idxs:
+                        _add(node_cost[owner], k, p)
+            continue
+        blocks.append((ou, ov, a_of, b_of, {(a, b): price(a, b) for a in a_cls for b in b_cls}))
+    return _OwnerProblem(node_cost, memory, _merge_blocks(blocks))
+
+
+def _add(costs: list[float], k: int, p: float) -> None:
+    costs[k] = INFEASIBLE if INFEASIBLE in (p, costs[k]) else costs[k] + p
+
+
+def _merge_blocks(blocks: list) -> list:
+    """Edge blocks between the same owners with the same placements become one block."""
+    out, where = [], {}
+    for ou, ov, a_of, b_of, price in blocks:
+        key = (ou, ov, tuple(a_of), tuple(b_of))
+        if key in where:
+            merged = out[where[key]][4]
+            for ab, p in price.items():
+                merged[ab] = INFEASIBLE if INFEASIBLE in (p, merged[ab]) else merged[ab] + p
+        else:
+            where[key] = len(out)
+            out.append((ou, ov, a_of, b_of, dict(price)))
+    return out
 
 
 def _classes(placements) -> dict:

@@ -39,7 +39,9 @@ def model_specs(draw):
                       "seq": draw(st.integers(1, 4))}
     heads = draw(st.sampled_from([1, 2, 4]))
     kv_heads = draw(st.sampled_from([d for d in (1, 2, 4) if heads % d == 0]))
-    head_dim = draw(st.sampled_from([2, 3, 4]))
+    # head_dim 3 or 4, so hidden >= 3: LayerNorm over 2 features always outputs (-1, 1), its
+    # true gradient is float noise, and AdamW would divide that noise by noise.
+    head_dim = draw(st.sampled_from([3, 4]))
     return kind, {"vocab": draw(st.integers(5, 16)), "hidden": heads * head_dim,
                   "heads": heads, "kv_heads": kv_heads, "depth": draw(st.integers(1, 2)),
                   "seq": draw(st.integers(2, 6)), "tied": draw(st.booleans()),
