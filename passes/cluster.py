@@ -9,7 +9,9 @@ strategy index to its own. Two reductions produce owners other than the node its
   unchanged, so the edge never reshards.
 - Repeated layers: the blocks of a ModuleList (transformer layers) whose nodes match one for one
   (same ops, shapes and wiring) share the first block's choices; the ILP prices one block with
-  each cost multiplied by the number of blocks.
+  each cost multiplied by the number of blocks. Only blocks with at least two matrix products
+  are folded: a block can then pair column- and row-parallel products inside itself, whereas
+  single-product blocks (a Sequential of Linears) need alternating choices.
 
 Both restrict the search the way Alpa and AutoParallel do; the assignment is expanded back to
 every node after solving.
@@ -137,6 +139,8 @@ def _fold_layers(graph: StrategyGraph, gm: fx.GraphModule, c: Clustering) -> Non
     for (prefix, i), names in blocks.items():
         by_container.setdefault(prefix, {})[i] = names
     for members in by_container.values():
+        if min(_products(graph, names) for names in members.values()) < 2:
+            continue  # single-product blocks (Sequential of Linears) alternate column and row
         order = sorted(members)
         first = members[order[0]]
         for i in order[1:]:
@@ -147,6 +151,11 @@ def _fold_layers(graph: StrategyGraph, gm: fx.GraphModule, c: Clustering) -> Non
                     c.index[b] = list(range(len(graph.nodes[b].strategies)))
                     c.twin[b] = a
         c.layers.append([members[i][0] for i in order])
+
+
+def _products(graph: StrategyGraph, names: list[str]) -> int:
+    return sum(graph.nodes[n].op.startswith(("linear", "addmm", "mm.", "bmm", "matmul"))
+               for n in names)
 
 
 def _same_shape(graph: StrategyGraph, a: list[str], b: list[str]) -> bool:
