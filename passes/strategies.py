@@ -166,6 +166,7 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
     constant: set[str] = set()
     grad: set[str] = set()
     output_node = None
+    memo: dict[str, list[Strategy]] = {}
     for node in program.graph.nodes:
         if node.op == "output":
             output_node = node
@@ -216,18 +217,13 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
             kind = CONSTANT
         else:
             kind = OP
-            rule = RULES.get(node.target)
-            if rule is None:
-                rules1d = replicate_all(call)
+            if node.target not in RULES:
                 unsupported.append(str(node.target))
-            else:
-                rules1d = rule(call)
-            rules1d = [r for r in rules1d if _ints_not_partial(r, call)]
-            strategies = expand_to_mesh(rules1d, mesh_shape, in_shapes, call.out_shapes,
-                                        call.multi_output)
-            if not strategies:  # nothing divides evenly: replicate
-                strategies = expand_to_mesh(replicate_all(call), mesh_shape, in_shapes,
-                                            call.out_shapes, call.multi_output)
+            # Repeated layers make the same calls: enumerate each distinct call once.
+            key = repr((node.target, call.args, call.kwargs, call.out_shapes))
+            if key not in memo:
+                memo[key] = _candidates(call, mesh_shape, in_shapes)
+            strategies = memo[key]
         if req_grad:
             grad.add(node.name)
         vals = [v for v in _vals(node) if isinstance(v, torch.Tensor)]
@@ -246,6 +242,19 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
                       stacklevel=2)
     del m
     return StrategyGraph(nodes, mesh_shape, loss, outputs, sorted(set(unsupported)))
+
+
+def _candidates(call: OpCall, mesh_shape: tuple[int, ...], in_shapes) -> list[Strategy]:
+    """The n-D strategies of one call: its rule's (or replicate-all) expanded to the mesh."""
+    rule = RULES.get(call.target)
+    rules1d = rule(call) if rule is not None else replicate_all(call)
+    rules1d = [r for r in rules1d if _ints_not_partial(r, call)]
+    strategies = expand_to_mesh(rules1d, mesh_shape, in_shapes, call.out_shapes,
+                                call.multi_output)
+    if not strategies:  # nothing divides evenly: replicate
+        strategies = expand_to_mesh(replicate_all(call), mesh_shape, in_shapes,
+                                    call.out_shapes, call.multi_output)
+    return strategies
 
 
 def _resolve(nodes: dict, a: fx.Node) -> tuple[str, int | None]:

@@ -1,0 +1,101 @@
+"""Planning time: Llama-3-8B-shaped models (hidden 4096, 32 heads, 8 KV heads, FFN 14336,
+vocab 128256, sequence 4096, batch 8) on the meta device, planned for simulated H100 meshes.
+
+    python benchmarks/planning_time.py                 # 2, 8, 32 layers on (8,), (2, 4), (8, 8)
+    python benchmarks/planning_time.py --layers 2 --meshes 8x8
+
+Prints a markdown table: seconds to trace, to enumerate strategies, to cluster and build the
+ILP, to solve it, and for the whole `autopar.plan` call (which adds describing the plan), plus
+the planner's peak memory (resident set size growth) and the ILP's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+import torch
+
+import autopar
+from autopar.passes import strategies
+from autopar.passes.cluster import cluster
+from autopar.passes.trace import trace
+from autopar.solver.cost import CostModel
+from autopar.solver.ilp import solve
+
+
+def llama8b(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      max_position_embeddings=8192, use_cache=False, attn_implementation="sdpa",
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids).logits
+
+    return Logits()
+
+
+def loss_fn(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run(layers: int, mesh: tuple[int, ...]) -> dict:
+    model = llama8b(layers)
+    ids = torch.randint(0, 128256, (8, 4096), device="meta")
+    spec = autopar.MeshSpec(mesh, hardware="h100")
+    before = rss_mib()
+    t0 = time.perf_counter()
+    program = trace(model, (ids,), loss_fn, ids)
+    t1 = time.perf_counter()
+    graph = strategies.build(program, mesh)
+    t2 = time.perf_counter()
+    clusters = cluster(graph, program.graph_module)
+    sol = solve(graph, CostModel(spec), memory_budget=spec.profile.memory * 0.9,
+                clustering=clusters)
+    t3 = time.perf_counter()
+    start = time.perf_counter()
+    plan = autopar.plan(model, spec, (ids, ids), loss_fn=loss_fn)
+    whole = time.perf_counter() - start
+    return {"layers": layers, "mesh": "x".join(map(str, mesh)), "nodes": len(graph.nodes),
+            "owners": len(clusters.owners()), "vars": sol.num_variables,
+            "trace": t1 - t0, "strategies": t2 - t1, "build+solve": t3 - t2,
+            "solver": sol.solve_time, "plan()": whole, "peak MiB": rss_mib() - before,
+            "step ms": plan.cost.step_time * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", default="2,8,32")
+    ap.add_argument("--meshes", default="8,2x4,8x8")
+    args = ap.parse_args()
+    rows = []
+    for layers in map(int, args.layers.split(",")):
+        for m in args.meshes.split(","):
+            rows.append(run(layers, tuple(int(s) for s in m.split("x"))))
+            print(rows[-1], flush=True)
+    cols = ["layers", "mesh", "nodes", "owners", "vars", "trace", "strategies", "build+solve",
+            "plan()", "peak MiB", "step ms"]
+    print("\n| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c])
+                                for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
