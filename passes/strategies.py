@@ -138,7 +138,10 @@ def expand_to_mesh(rules: list[Rule1D], mesh_shape: tuple[int, ...], in_shapes, 
     """n-D strategies: the product of the 1-D rules, filtered to even splits."""
     out = []
     seen = set()
-    for combo in itertools.product(rules, repeat=len(mesh_shape)):
+    # On a mesh dimension of one device every placement is the whole tensor: keep the
+    # replicated strategy only (its lowering is the plain op).
+    whole = [r for r in rules if _all_replicated(r)] or rules
+    for combo in itertools.product(*(whole if n == 1 else rules for n in mesh_shape)):
         inputs = tuple(tuple(r.inputs[i] for r in combo) for i in range(len(in_shapes)))
         if multi:
             output = tuple(tuple(r.output[i] for r in combo) for i in range(len(out_shapes)))
@@ -155,6 +158,11 @@ def expand_to_mesh(rules: list[Rule1D], mesh_shape: tuple[int, ...], in_shapes, 
             seen.add(s)
             out.append(s)
     return out
+
+
+def _all_replicated(rule: Rule1D) -> bool:
+    outs = rule.output if isinstance(rule.output, tuple) else (rule.output,)
+    return all(isinstance(p, type(R)) for p in (*rule.inputs, *outs))
 
 
 def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
@@ -282,7 +290,7 @@ def _storage_placements(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> 
     dimension, per mesh dimension; never a pending sum."""
     one = [R] + [Shard(d) for d in range(len(shape)) if shape[d] > 1]
     out = []
-    for combo in itertools.product(one, repeat=len(mesh_shape)):
+    for combo in itertools.product(*([R] if n == 1 else one for n in mesh_shape)):
         if divisible(shape, combo, mesh_shape):
             out.append(tuple(combo))
     return out

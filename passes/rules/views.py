@@ -186,8 +186,13 @@ def _with_local_shape(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext
 @lowering(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
           aten.expand.default)
 def lower_shape_arg(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
-    """The shape argument becomes the local output shape."""
-    return _with_local_shape(call, args, kwargs, ctx, 1)
+    """The shape argument becomes the local output shape. A view becomes a reshape: the global
+    tensor was contiguous, but a local shard (a slice of it) need not be, and the program is
+    functional, so a copy where a view is impossible changes nothing."""
+    target, args, kwargs = _with_local_shape(call, args, kwargs, ctx, 1)
+    if target in (aten.view.default, aten._unsafe_view.default):
+        target = aten.reshape.default
+    return target, args, kwargs
 
 
 @lowering(aten.unflatten.int)

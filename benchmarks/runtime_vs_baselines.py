@@ -1,0 +1,178 @@
+"""autopar's runtime against hand-written parallelism, on 4 local gloo ranks (CPU, fp32).
+
+    python benchmarks/runtime_vs_baselines.py [--layers 6 --hidden 512 --steps 6]
+
+For one GPT (benchmarks/bench_model.py, about 23M parameters by default) it times a training
+step (forward, backward, AdamW) of
+  - torch DistributedDataParallel        vs autopar forced "data"
+  - FSDP2 (fully_shard per block + root)  vs autopar forced "fsdp"
+  - DTensor tensor parallel (Colwise q/k/v/up, Rowwise o/down)  vs autopar forced "tensor"
+  - autopar's own plan                    vs the best baseline
+Each timing is the median over the measured steps (after warm-up), taken on rank 0 between
+barriers; configurations run one after another in the same process group, interleaved in one
+run, so ratios compare like with like. Per-rank memory is the bytes of parameters, gradients
+and optimizer state the rank holds. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_model import BenchConfig, BenchGPT, loss_fn  # noqa: E402
+
+import autopar  # noqa: E402
+
+WORLD = 4
+
+
+def _local(t) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def state_bytes(params, opt) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank holds."""
+    total = 0
+    for p in params:
+        total += _local(p).numel() * p.element_size()
+        if p.grad is not None:
+            total += _local(p.grad).numel() * p.element_size()
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                total += _local(v).numel() * v.element_size()
+    return total
+
+
+def timed(step, steps: int, warmup: int) -> float:
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t = time.perf_counter()
+        step()
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def setups(model, mesh, x, y):
+    """name -> (step function, params, optimizer), built lazily."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = x.shape[0] // world
+    xl, yl = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+
+    def ddp():
+        m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+        return lambda: loss_fn(m(xl), yl).backward(), list(m.parameters())
+
+    def fsdp2():
+        from torch.distributed.fsdp import fully_shard
+        m = copy.deepcopy(model)
+        for b in m.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        return lambda: loss_fn(m(xl), yl).backward(), list(m.parameters())
+
+    def dtensor_tp():
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel, RowwiseParallel, parallelize_module)
+        m = copy.deepcopy(model)
+        plan = {}
+        for i in range(len(m.blocks)):
+            for n in ("attn.q", "attn.k", "attn.v", "up"):
+                plan[f"blocks.{i}.{n}"] = ColwiseParallel()
+            for n in ("attn.o", "down"):
+                plan[f"blocks.{i}.{n}"] = RowwiseParallel()
+        parallelize_module(m, mesh, plan)
+        return lambda: loss_fn(m(x), y).backward(), list(m.parameters())
+
+    def autopar_with(force):
+        def build():
+            pm = autopar.parallelize(copy.deepcopy(model), mesh, loss_fn=loss_fn,
+                                     example_inputs=(x, y), force=force)
+            return lambda: pm.step(x, y), list(pm.parameters())
+        return build
+
+    return {"DDP": ddp, "autopar data": autopar_with("data"), "FSDP2": fsdp2,
+            "autopar fsdp": autopar_with("fsdp"), "DTensor TP": dtensor_tp,
+            "autopar tensor": autopar_with("tensor"), "autopar solver": autopar_with(None)}
+
+
+def worker(rank: int, port: int, cfg: BenchConfig, batch: int, steps: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    model = BenchGPT(cfg)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
+    y = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
+    results = {}
+    for name, build in setups(model, mesh, x, y).items():
+        step_fn, params = build()
+        opt = torch.optim.AdamW(params, lr=1e-4)
+
+        def step(step_fn=step_fn, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            step_fn()
+            opt.step()
+
+        t = timed(step, steps, warmup=2)
+        mem = state_bytes(params, opt)
+        results[name] = (t, mem)
+        if rank == 0:
+            print(f"{name}: {t * 1e3:.1f} ms, {mem / 2**20:.1f} MiB", flush=True)
+        del step_fn, params, opt
+    if rank == 0:
+        out.update(results)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    a = ap.parse_args()
+    cfg = BenchConfig(a.vocab, a.seq, a.layers, a.heads, a.hidden)
+    n_params = sum(p.numel() for p in BenchGPT(cfg).parameters())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(worker, args=(port, cfg, a.batch, a.steps, out), nprocs=WORLD)
+    res = dict(out)
+    best = min(res[k][0] for k in ("DDP", "FSDP2", "DTensor TP"))
+    print(f"\nGPT {n_params / 1e6:.1f}M parameters, batch {a.batch}x{a.seq}, {WORLD} gloo ranks "
+          f"on {os.cpu_count()} CPU cores, fp32, median of {a.steps} steps\n")
+    print("| setup | baseline ms | autopar ms | ratio | baseline MiB/rank | autopar MiB/rank |")
+    print("|---|---|---|---|---|---|")
+    for base, ours in (("DDP", "autopar data"), ("FSDP2", "autopar fsdp"),
+                       ("DTensor TP", "autopar tensor")):
+        (tb, mb), (to, mo) = res[base], res[ours]
+        print(f"| {base} vs {ours} | {tb * 1e3:.0f} | {to * 1e3:.0f} | {to / tb:.2f} | "
+              f"{mb / 2**20:.1f} | {mo / 2**20:.1f} |")
+    ts, ms = res["autopar solver"]
+    print(f"| best baseline vs autopar solver | {best * 1e3:.0f} | {ts * 1e3:.0f} | "
+          f"{ts / best:.2f} | | {ms / 2**20:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
