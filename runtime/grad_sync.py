@@ -2,8 +2,16 @@
 
 The local gradient of a replicated parameter is a pending sum over every mesh dimension where it
 is replicated, so it is summed there. Gradients are flattened into buckets of at most
-`bucket_bytes` per mesh dimension and dtype, and each bucket's all-reduce is launched
-asynchronously; `wait()` finishes them and writes the sums back.
+`bucket_bytes` (per mesh dimension and dtype, in reverse parameter order so that the first
+buckets fill first during backward, as DistributedDataParallel does).
+
+Parameters replicated on exactly one mesh dimension (with more than one rank) are overlapped
+with the backward pass: a post-accumulate-grad hook counts each bucket's gradients and launches
+its all-reduce asynchronously once they are all there. Every rank runs the same program, so
+buckets become ready, and are launched, in the same order everywhere. `finish()` launches what
+never became ready (parameters without a gradient count as zeros), waits, writes the sums
+back, and then reduces gradients replicated on several mesh dimensions, one dimension after
+another.
 """
 
 from __future__ import annotations
@@ -14,56 +22,105 @@ import torch.distributed as dist
 from . import compat
 
 
+class _Bucket:
+    def __init__(self, mesh_dim: int, params: list[torch.nn.Parameter]):
+        self.mesh_dim = mesh_dim
+        self.params = params
+        self.ready = 0
+        self.work = None
+        self.flat: torch.Tensor | None = None
+
+
+def _buckets(params: list[torch.nn.Parameter], k: int, bucket_bytes: int) -> list[_Bucket]:
+    by_dtype: dict[torch.dtype, list[list[torch.nn.Parameter]]] = {}
+    for p in reversed(params):
+        lists = by_dtype.setdefault(p.dtype, [[]])
+        size = sum(q.numel() for q in lists[-1]) * p.element_size()
+        if lists[-1] and size + p.numel() * p.element_size() > bucket_bytes:
+            lists.append([])
+        lists[-1].append(p)
+    return [_Bucket(k, ps) for lists in by_dtype.values() for ps in lists if ps]
+
+
 class GradSync:
-    """Bucketed all-reduce of replicated parameters' gradients."""
+    """Bucketed all-reduce of replicated parameters' gradients, overlapped with backward."""
 
     def __init__(self, params: list[tuple[torch.nn.Parameter, tuple[int, ...]]], groups: list,
                  mesh_shape: tuple[int, ...], bucket_bytes: int = 25 * 2**20):
-        self.buckets: list[tuple[int, list[torch.nn.Parameter]]] = []
-        for k in range(len(mesh_shape)):
-            if mesh_shape[k] == 1:
-                continue
-            by_dtype: dict[torch.dtype, list[list[torch.nn.Parameter]]] = {}
-            for p, dims in params:
-                if k not in dims:
-                    continue
-                lists = by_dtype.setdefault(p.dtype, [[]])
-                if lists[-1] and sum(q.numel() for q in lists[-1]) * p.element_size() + \
-                        p.numel() * p.element_size() > bucket_bytes:
-                    lists.append([])
-                lists[-1].append(p)
-            for lists in by_dtype.values():
-                self.buckets += [(k, ps) for ps in lists if ps]
         self.groups = groups
+        reduced = [(p, tuple(k for k in dims if mesh_shape[k] > 1)) for p, dims in params]
+        self.overlapped: list[_Bucket] = []
+        for k in range(len(mesh_shape)):
+            single = [p for p, dims in reduced if dims == (k,) and p.requires_grad]
+            self.overlapped += _buckets(single, k, bucket_bytes)
+        self.later: list[_Bucket] = []  # several mesh dimensions: after backward, in turn
+        for k in range(len(mesh_shape)):
+            multi = [p for p, dims in reduced if len(dims) > 1 and k in dims and p.requires_grad]
+            self.later += _buckets(multi, k, bucket_bytes)
+        self._launched: list[_Bucket] = []
+        self._stash: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._hooks = []
+        for b in self.overlapped:
+            for p in b.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda p, b=b: self._on_grad(b)))
 
-    def sync(self) -> None:
-        """Sum the gradients over their replicated mesh dimensions (missing gradients count as 0).
+    def begin(self) -> None:
+        """Call before each backward pass. Gradients already accumulated (steps without
+        zero_grad) are set aside and added back after this pass's gradients are reduced, so
+        that gradient accumulation sums each step's reduced gradient once."""
+        for b in self.overlapped:
+            b.ready, b.work, b.flat = 0, None, None
+        self._launched = []
+        self._stash = {}
+        for b in self.overlapped + self.later:
+            for p in b.params:
+                if p.grad is not None:
+                    self._stash[p] = p.grad
+                    p.grad = None
 
-        Mesh dimensions are reduced one after the other (a gradient replicated on two
-        dimensions is summed over the first, then the result over the second); the buckets of
-        one dimension are in flight together.
-        """
-        for k in sorted({k for k, _ in self.buckets}):
-            self._sync_dim([ps for j, ps in self.buckets if j == k], k)
+    def _on_grad(self, b: _Bucket) -> None:
+        b.ready += 1
+        if b.ready == len(b.params) and b.work is None:
+            self._launch(b)
 
-    def _sync_dim(self, buckets: list[list[torch.nn.Parameter]], k: int) -> None:
-        pending = []
-        for ps in buckets:
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in ps])
-            work = compat.all_reduce(flat, group=self.groups[k], async_op=True)
-            pending.append((work, flat, ps))
-        for work, flat, ps in pending:
-            work.wait()
-            offset = 0
-            for p in ps:
-                n = p.numel()
-                g = flat[offset:offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
-                offset += n
+    def _launch(self, b: _Bucket) -> None:
+        b.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                            for p in b.params])
+        b.work = compat.all_reduce(b.flat, group=self.groups[b.mesh_dim], async_op=True)
+        self._launched.append(b)
+
+    def finish(self) -> None:
+        """Complete the synchronization after backward (collective: all ranks call it)."""
+        for b in self.overlapped:  # buckets some of whose parameters got no gradient
+            if b.work is None:
+                self._launch(b)
+        for b in self._launched:
+            b.work.wait()
+            _write_back(b)
+        for k in sorted({b.mesh_dim for b in self.later}):
+            batch = [b for b in self.later if b.mesh_dim == k]
+            for b in batch:
+                self._launch(b)
+            for b in batch:
+                b.work.wait()
+                _write_back(b)
+                b.work = None
+        for p, g in self._stash.items():
+            p.grad = g if p.grad is None else p.grad.add_(g)
+        self._stash = {}
+
+
+def _write_back(b: _Bucket) -> None:
+    offset = 0
+    for p in b.params:
+        n = p.numel()
+        g = b.flat[offset:offset + n].view_as(p)
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+        offset += n
 
 
 def all_reduce_value(x: torch.Tensor, groups: list, dims: list[int]) -> torch.Tensor:

@@ -103,8 +103,9 @@ class ParallelModule(nn.Module):
             target = None
         self._check_inputs(tuple(inputs))
         (loss,) = self._programs.train(*self._feed(tuple(inputs), target))
+        self._grad_sync.begin()
         loss.backward(torch.full_like(loss, self._loss_seed))
-        self._grad_sync.sync()
+        self._grad_sync.finish()
         return all_reduce_value(loss, self._comm.groups, self._loss_partial_dims)
 
     def forward(self, *inputs):

@@ -177,3 +177,17 @@ def expect_error(kind: str) -> str:
     except Exception as e:  # noqa: BLE001 - the test inspects the message
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def accumulation_equivalence(name, mesh_shape: tuple, force=None) -> None:
+    """Two step() calls without zero_grad accumulate the same gradients as two backward passes
+    of the single-device model."""
+    model, loss_fn, (x, y) = build(name)
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
+                             example_inputs=(x, y), force=force)
+    for _ in range(2):
+        pm.step(x, y)
+        loss_fn(ref(x), y).backward()
+    _check("accumulated gradient", pm.full_grads(),
+           {n: p.grad for n, p in ref.named_parameters()})

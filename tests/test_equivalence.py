@@ -71,3 +71,10 @@ def test_tensor_parallel_uses_megatron_pairs(world2):
     plan = world2.run(rank_tasks.train_equivalence, "gpt", (2,), "tensor")[0]
     p = plan["parameters"]
     assert p["h.0.mlp.c_fc.weight"] == "S(0)" and p["h.0.mlp.c_proj.weight"] == "S(1)"
+
+
+@pytest.mark.parametrize("force", [None, "data", "fsdp", {"dp": "data", "tp": "tensor"}],
+                         ids=lambda f: str(f or "solver").replace(" ", ""))
+def test_gradient_accumulation(world4, force):
+    """step() twice without zero_grad: gradients accumulate exactly as single-device."""
+    world4.run(rank_tasks.accumulation_equivalence, "gpt", (2, 2), force)
