@@ -127,14 +127,15 @@ def _fold_layers(graph: StrategyGraph, gm: fx.GraphModule, c: Clustering) -> Non
         if key is not None:
             blocks.setdefault(key, []).append(node.name)
     # parameters belong to the block of their users
+    block_of = {n: key for key, names in blocks.items() for n in names}
+    users: dict[str, set] = {}
+    for n, key in block_of.items():
+        for u, _ in graph.nodes[n].inputs:
+            if graph.nodes[u].kind == PARAM:
+                users.setdefault(u, set()).add(key)
     for v in graph.nodes.values():
-        if v.kind != PARAM:
-            continue
-        users = {k for k, names in blocks.items() for n in names
-                 if any(u == v.name for u, _ in graph.nodes[n].inputs)}
-        if len(users) == 1:
-            key = users.pop()
-            blocks[key].insert(0, v.name)
+        if v.kind == PARAM and len(users.get(v.name, ())) == 1:
+            blocks[next(iter(users[v.name]))].insert(0, v.name)
     by_container: dict[str, dict[int, list[str]]] = {}
     for (prefix, i), names in blocks.items():
         by_container.setdefault(prefix, {})[i] = names
