@@ -8,10 +8,10 @@ step (forward, backward, AdamW) of
   - FSDP2 (fully_shard per block + root)  vs autopar forced "fsdp"
   - DTensor tensor parallel (Colwise q/k/v/up, Rowwise o/down)  vs autopar forced "tensor"
   - autopar's own plan                    vs the best baseline
-Each timing is the median over the measured steps (after warm-up), taken on rank 0 between
-barriers; configurations run one after another in the same process group, interleaved in one
-run, so ratios compare like with like. Per-rank memory is the bytes of parameters, gradients
-and optimizer state the rank holds. Prints a markdown table.
+Each timing is the median over the measured steps (after 2 warm-up steps), taken on rank 0
+between barriers; all setups are built first and then stepped round-robin in one process
+group, so ratios compare like with like even while the machine's load drifts. Per-rank memory
+is the bytes of parameters, gradients and optimizer state the rank holds. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -55,18 +55,6 @@ def state_bytes(params, opt) -> int:
     return total
 
 
-def timed(step, steps: int, warmup: int) -> float:
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        t = time.perf_counter()
-        step()
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def setups(model, mesh, x, y):
     """name -> (step function, params, optimizer), built lazily."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -87,7 +75,10 @@ def setups(model, mesh, x, y):
 
     def dtensor_tp():
         from torch.distributed.tensor.parallel import (
-            ColwiseParallel, RowwiseParallel, parallelize_module)
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
         m = copy.deepcopy(model)
         plan = {}
         for i in range(len(m.blocks)):
@@ -120,7 +111,7 @@ def worker(rank: int, port: int, cfg: BenchConfig, batch: int, steps: int, out: 
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
     y = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
-    results = {}
+    steppers, states = {}, {}
     for name, build in setups(model, mesh, x, y).items():
         step_fn, params = build()
         opt = torch.optim.AdamW(params, lr=1e-4)
@@ -130,12 +121,23 @@ def worker(rank: int, port: int, cfg: BenchConfig, batch: int, steps: int, out: 
             step_fn()
             opt.step()
 
-        t = timed(step, steps, warmup=2)
-        mem = state_bytes(params, opt)
-        results[name] = (t, mem)
-        if rank == 0:
+        steppers[name], states[name] = step, (params, opt)
+    # Round-robin: every setup's step i runs between the others' steps i, so load drift on
+    # this shared machine hits all setups alike.
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for i in range(2 + steps):
+        for name, step in steppers.items():
+            dist.barrier()
+            t = time.perf_counter()
+            step()
+            dist.barrier()
+            if i >= 2:
+                times[name].append(time.perf_counter() - t)
+    results = {name: (statistics.median(ts), state_bytes(*states[name]))
+               for name, ts in times.items()}
+    if rank == 0:
+        for name, (t, mem) in results.items():
             print(f"{name}: {t * 1e3:.1f} ms, {mem / 2**20:.1f} MiB", flush=True)
-        del step_fn, params, opt
     if rank == 0:
         out.update(results)
     dist.destroy_process_group()

@@ -25,7 +25,7 @@ from autopar.solver.reshard import plan_steps
 
 from .placement import Placements, R, local_shape
 from .rules import LOWERINGS, LocalContext, TensorArg
-from .strategies import CONSTANT, Strategy, StrategyGraph
+from .strategies import CONSTANT, PARAM, Strategy, StrategyGraph
 from .trace import TracedProgram
 
 
@@ -37,6 +37,8 @@ class CommOps(Protocol):
     def all_reduce(self, x: torch.Tensor, mesh_dim: int) -> torch.Tensor: ...
     def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int,
                    mesh_dim: int) -> torch.Tensor: ...
+    def all_gather_many(self, xs: list[torch.Tensor], dims: list[int],
+                        mesh_dim: int) -> tuple[torch.Tensor, ...]: ...
 
 
 @dataclass
@@ -76,6 +78,8 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
         x = value(name, idx)
         for step in plan_steps(shape, src, dst, mesh_shape):
             k = step.mesh_dim
+            if mesh_shape[k] == 1:  # one rank: every step is the identity
+                continue
             if step.kind == "all_gather":
                 x = g.call_function(comm.all_gather, (x, step.dim, k))
             elif step.kind == "reduce_scatter":
@@ -90,7 +94,20 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
         resharded[key] = x
         return x
 
+    fsdp = _fsdp_gathers(graph, choice, mesh_shape)
+    gathered = False
     for node in program.graph.nodes:
+        if node.op != "placeholder" and not gathered:
+            # All parameters whose use is one all-gather from their storage shard (FSDP) are
+            # gathered together, one collective per mesh dimension (and one reduce-scatter of
+            # their gradients in backward) instead of one per parameter.
+            for k, uses in fsdp.items():
+                group = g.call_function(comm.all_gather_many,
+                                        ([local[(p, None)] for p, _, _ in uses],
+                                         [d for _, _, d in uses], k))
+                for i, (p, dst, _) in enumerate(uses):
+                    resharded[(p, None, dst)] = g.call_function(operator.getitem, (group, i))
+            gathered = True
         if node.op == "placeholder":
             placeholders.append(node.name)
             ph = g.placeholder(node.name)
@@ -118,6 +135,7 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
             node.target, args, kwargs)
         new = g.call_function(target, tuple(args), dict(kwargs))
         new.meta["source"] = snode.source
+        new.meta["autopar_node"] = node.name  # which traced node (pipeline_split reads it)
         local[(node.name, None)] = new
 
     def finish(outputs: list) -> fx.GraphModule:
@@ -151,6 +169,27 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
                 infer.graph.erase_node(n)
         infer.recompile()
     return LocalPrograms(train, infer, placeholders, loss_placement)
+
+
+def _fsdp_gathers(graph: StrategyGraph, choice: dict[str, Strategy],
+                  mesh_shape: tuple[int, ...]) -> dict[int, list[tuple[str, Placements, int]]]:
+    """Per mesh dimension, the (parameter, use placement, tensor dim) whose resharding from
+    storage is a single all-gather there, in graph order."""
+    out: dict[int, list] = {}
+    seen = set()
+    for v in graph.nodes.values():
+        for slot, (u, idx) in enumerate(v.inputs):
+            if graph.nodes[u].kind != PARAM:
+                continue
+            dst = choice[v.name].inputs[slot]
+            if (u, dst) in seen:
+                continue
+            seen.add((u, dst))
+            steps = [s for s in plan_steps(v.in_shapes[slot], choice[u].out(idx), dst,
+                                           mesh_shape) if mesh_shape[s.mesh_dim] > 1]
+            if len(steps) == 1 and steps[0].kind == "all_gather":
+                out.setdefault(steps[0].mesh_dim, []).append((u, dst, steps[0].dim))
+    return out
 
 
 def _substitute(tree, values: list):

@@ -8,6 +8,7 @@ pending sum a replicated value, of a shard the same shard):
     reduce_scatter(dim)  <->  all_gather(dim)
     all_reduce           <->  all_reduce
     all_to_all(a -> b)   <->  all_to_all(b -> a)
+    all_gather_many      <->  one reduce-scatter of all the gradients
 """
 
 from __future__ import annotations
@@ -105,6 +106,50 @@ class _AllToAll(torch.autograd.Function):
         return _swap(grad, cat_dim, split_dim, ctx.group), None, None, None
 
 
+class _AllGatherMany(torch.autograd.Function):
+    """Several shards gathered in one collective (FSDP parameters): each tensor i is
+    concatenated along dims[i]. Backward: one reduce-scatter of all their gradients."""
+
+    @staticmethod
+    def forward(ctx, dims, group, *xs):
+        n = dist.get_world_size(group)
+        ctx.dims, ctx.group, ctx.shapes = dims, group, [x.shape for x in xs]
+        flat = torch.cat([x.reshape(-1) for x in xs])
+        buf = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+        compat.all_gather_single(buf, flat, group=group)
+        buf = buf.view(n, flat.numel())
+        out, offset = [], 0
+        for x, d in zip(xs, dims):
+            piece = buf[:, offset:offset + x.numel()].reshape(n, *x.shape)
+            shape = list(x.shape)
+            shape[d] *= n
+            out.append(piece.movedim(0, d).reshape(shape))
+            offset += x.numel()
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = dist.get_world_size(ctx.group)
+        pieces = []
+        for g, shape, d in zip(grads, ctx.shapes, ctx.dims):
+            full = list(shape)
+            full[d] *= n
+            if g is None:
+                g = torch.zeros(full)
+            split = [*full[:d], n, shape[d], *full[d + 1:]]
+            pieces.append(g.reshape(split).movedim(d, 0).reshape(n, -1))
+        src = torch.cat(pieces, dim=1).contiguous()
+        out = torch.empty(src.shape[1], dtype=src.dtype, device=src.device)
+        compat.reduce_scatter_single(out, src.reshape(-1), group=ctx.group)
+        grads_in, offset = [], 0
+        for shape in ctx.shapes:
+            size = torch.Size(shape).numel()
+            grads_in.append(out[offset:offset + size].view(shape))
+            offset += size
+        return (None, None, *grads_in)
+
+
+
 class MeshComm:
     """The collectives of one device mesh, by mesh dimension (what `passes.rewrite` calls)."""
 
@@ -127,3 +172,8 @@ class MeshComm:
                    mesh_dim: int) -> torch.Tensor:
         """Trade a shard of `cat_dim` for a shard of `split_dim`."""
         return _AllToAll.apply(x, split_dim, cat_dim, self.groups[mesh_dim])
+
+    def all_gather_many(self, xs: list[torch.Tensor], dims: list[int],
+                        mesh_dim: int) -> tuple[torch.Tensor, ...]:
+        """Gather several shards in one collective (FSDP parameters), each along its dim."""
+        return _AllGatherMany.apply(tuple(dims), self.groups[mesh_dim], *xs)

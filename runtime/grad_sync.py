@@ -123,9 +123,22 @@ def _write_back(b: _Bucket) -> None:
         offset += n
 
 
-def all_reduce_value(x: torch.Tensor, groups: list, dims: list[int]) -> torch.Tensor:
-    """Sum a detached tensor over the given mesh dimensions (for reporting, not autograd)."""
-    x = x.detach().clone()
-    for k in dims:
-        dist.all_reduce(x, group=groups[k])
-    return x
+class _PendingSum:
+    """A detached value being summed over some mesh dimensions; `wait()` returns the sum."""
+
+    def __init__(self, x: torch.Tensor, groups: list, dims: list[int]):
+        self.value, self.groups, self.dims = x.detach().clone(), groups, list(dims)
+        self.work = dist.all_reduce(self.value, group=groups[self.dims[0]], async_op=True) \
+            if self.dims else None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            for k in self.dims[1:]:
+                dist.all_reduce(self.value, group=self.groups[k])
+        return self.value
+
+
+def start_all_reduce(x: torch.Tensor, groups: list, dims: list[int]) -> _PendingSum:
+    """Begin summing a detached tensor over the given mesh dimensions (for reporting)."""
+    return _PendingSum(x, groups, dims)

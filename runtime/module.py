@@ -18,7 +18,7 @@ from autopar.passes.rewrite import LocalPrograms
 from autopar.solver.reshard import plan_steps
 
 from .collectives import MeshComm
-from .grad_sync import GradSync, all_reduce_value
+from .grad_sync import GradSync, start_all_reduce
 
 
 class ParallelModule(nn.Module):
@@ -103,10 +103,12 @@ class ParallelModule(nn.Module):
             target = None
         self._check_inputs(tuple(inputs))
         (loss,) = self._programs.train(*self._feed(tuple(inputs), target))
+        # the loss value is summed for reporting while backward runs
+        report = start_all_reduce(loss, self._comm.groups, self._loss_partial_dims)
         self._grad_sync.begin()
         loss.backward(torch.full_like(loss, self._loss_seed))
         self._grad_sync.finish()
-        return all_reduce_value(loss, self._comm.groups, self._loss_partial_dims)
+        return report.wait()
 
     def forward(self, *inputs):
         """Inference on the global batch: returns what the original model returns, whole.
