@@ -9,7 +9,6 @@ mesh dimension for every input and output). A strategy on an n-D mesh is a produ
 from __future__ import annotations
 
 import itertools
-import logging
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -22,8 +21,6 @@ from torch.utils import _pytree as pytree
 from .placement import P, Placements, R, Shard, divisible
 from .rules import RULES, OpCall, Rule1D, TensorArg, replicate_all
 from .trace import TracedProgram
-
-log = logging.getLogger(__name__)
 
 INPUT, PARAM, CONSTANT, OP = "input", "param", "constant", "op"
 
@@ -123,8 +120,7 @@ def op_call(node: fx.Node) -> tuple[OpCall, list[fx.Node]]:
     vals = _vals(node)
     multi = isinstance(node.meta.get("val"), (list, tuple))
     shapes = [tuple(int(s) for s in v.shape) for v in vals if isinstance(v, torch.Tensor)]
-    call = OpCall(node.name, node.target, args, kwargs,
-                  [to_arg_t for to_arg_t in _tensor_args(args, kwargs)], shapes, multi)
+    call = OpCall(node.name, node.target, args, kwargs, _tensor_args(args, kwargs), shapes, multi)
     return call, tensors
 
 
@@ -168,7 +164,6 @@ def _all_replicated(rule: Rule1D) -> bool:
 def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
     """Candidate strategies for every node of `program` on a mesh of `mesh_shape`."""
     mesh_shape = tuple(mesh_shape)
-    m = len(mesh_shape)
     nodes: dict[str, SNode] = {}
     unsupported: list[str] = []
     constant: set[str] = set()
@@ -200,9 +195,7 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
                 [Strategy((), c) for c in cands], None, "", program.params.get(node.name))
             continue
         call, tensor_nodes = op_call(node)
-        inputs = [(a.name, None) if a.op != "call_function" or a.target is not operator.getitem
-                  else (a.args[0].name, a.args[1]) for a in tensor_nodes]
-        # getitem nodes are folded into their consumers' edges; see below.
+        # getitem nodes are folded into their consumers' edges (producer, output index).
         if node.target is operator.getitem:
             src = node.args[0]
             nodes[node.name] = None  # placeholder, removed after the loop
@@ -211,7 +204,7 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
             if src.name in grad:
                 grad.add(node.name)
             continue
-        inputs = [_resolve(nodes, a) for a in tensor_nodes]
+        inputs = [_resolve(a) for a in tensor_nodes]
         is_const = all(name in constant for name, _ in inputs) and (
             inputs or node.target in _CREATION or not call.inputs)
         req_grad = any(name in grad for name, _ in inputs) and any(
@@ -240,7 +233,7 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
             [v.dtype for v in vals], call.multi_output, req_grad, strategies, call,
             _source_line(node))
     nodes = {k: v for k, v in nodes.items() if v is not None}
-    flat_out = [_resolve(nodes, a) if isinstance(a, fx.Node) else None
+    flat_out = [_resolve(a) if isinstance(a, fx.Node) else None
                 for a in pytree.tree_leaves(output_node.args[0])]
     loss = flat_out[-1] if program.has_loss else None
     outputs = flat_out[:program.num_outputs]
@@ -248,7 +241,6 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
         warnings.warn(f"autopar: no sharding rule for {name}; it runs replicated (every rank "
                       "computes it whole). Add a rule in autopar/passes/rules to shard it.",
                       stacklevel=2)
-    del m
     return StrategyGraph(nodes, mesh_shape, loss, outputs, sorted(set(unsupported)))
 
 
@@ -265,7 +257,8 @@ def _candidates(call: OpCall, mesh_shape: tuple[int, ...], in_shapes) -> list[St
     return strategies
 
 
-def _resolve(nodes: dict, a: fx.Node) -> tuple[str, int | None]:
+def _resolve(a: fx.Node) -> tuple[str, int | None]:
+    """The (producer, output index) a graph value refers to."""
     if a.op == "call_function" and a.target is operator.getitem:
         return (a.args[0].name, a.args[1])
     return (a.name, None)
