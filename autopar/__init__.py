@@ -3,15 +3,18 @@
     spec = autopar.MeshSpec((8, 8), names=("dp", "tp"), hardware="h100")
     plan = autopar.plan(model, spec, example_inputs, loss_fn=loss_fn)
     pmodel = autopar.parallelize(model, device_mesh, loss_fn=loss_fn)
+    profile = autopar.calibrate(device_mesh)        # a HardwareProfile of the real machine
 """
 
+from . import profile
 from .api import PlanMismatchError, parallelize, plan
+from .calibrate import calibrate
 from .hardware import A100, CPU, H100, H200, PROFILES, HardwareProfile, Link, get_profile
 from .mesh import MeshSpec
 from .plan import Collective, OpEntry, Plan, PlanCost
 
 __all__ = [
     "A100", "CPU", "H100", "H200", "PROFILES", "Collective", "HardwareProfile", "Link",
-    "MeshSpec", "OpEntry", "Plan", "PlanCost", "PlanMismatchError", "get_profile", "parallelize",
-    "plan",
+    "MeshSpec", "OpEntry", "Plan", "PlanCost", "PlanMismatchError", "calibrate", "get_profile",
+    "parallelize", "plan", "profile",
 ]

@@ -1,27 +1,76 @@
 """Hardware profiles: compute peaks, memory, and the links between devices, as plain data.
 
-Figures are per device. Link bandwidth is the bus bandwidth a collective sees per device in one
-direction (NCCL's "busbw"), so a ring all-reduce of B bytes on n devices takes about
-alpha + 2 (n - 1) / n * B / bandwidth.
+Figures are per device. A link is (alpha, bandwidth): a collective over it costs
+alpha + factor x bytes / bandwidth (see autopar.solver.cost), where bandwidth is the bus
+bandwidth a collective achieves per device in one direction (NCCL's "busbw") and beta =
+1 / bandwidth. Every built-in profile is one entry of `BUILTIN` (plain numbers), turned into a
+`HardwareProfile` by `HardwareProfile.from_dict`; a calibrated profile (autopar.calibrate) is
+the same data, measured, and round-trips through JSON (`save` / `load`).
+
+Sources of the built-in figures (vendor datasheets; dense, i.e. without 2:4 sparsity):
+- A100-SXM4-80GB (NVIDIA A100 datasheet, Ampere whitepaper): FP32 19.5 TFLOP/s, TF32 156,
+  BF16/FP16 312; 80 GB HBM2e at 2,039 GB/s; NVLink3 600 GB/s bidirectional per GPU (300 GB/s
+  each way). DGX A100: 8 GPUs per node, 8x ConnectX-6 HDR 200 Gb/s (25 GB/s per GPU).
+- H100-SXM5-80GB (NVIDIA H100 datasheet): FP32 67 TFLOP/s, TF32 494.7, BF16/FP16 989.4;
+  80 GB HBM3 at 3.35 TB/s; NVLink4 900 GB/s bidirectional per GPU (450 GB/s each way).
+  DGX H100: 8 GPUs per node, 8x ConnectX-7 NDR 400 Gb/s (50 GB/s per GPU).
+- H200-SXM-141GB (NVIDIA H200 datasheet): the H100's compute; 141 GB HBM3e at 4.8 TB/s; the
+  same NVLink4 and NDR links (DGX H200).
+Memory sizes are what the device reports (nvidia-smi: 81920 MiB for A100-80GB, 81559 MiB for
+H100-80GB, 143771 MiB for H200). Link bandwidths are the vendor's per-direction peak times the
+share collectives reach in practice (NVIDIA's p2p test reaches about 380 of NVLink4's 450 GB/s
+each way, NCCL all-reduce bus bandwidth about 80% of the link; InfiniBand about 92% of the
+line rate); the latencies (alpha) are typical NCCL small-message latencies (ring, one node or
+a few nodes). Replace them with measured ones with autopar.calibrate.
+
+The CPU profile is one rank of a gloo world on a small CPU machine, a conservative default for
+tests: autopar.calibrate measures the machine it runs on.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 GB = 1e9
 GiB = 2**30
+MiB = 2**20
 
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of interconnect: latency per collective (s) and bandwidth (bytes/s)."""
+    """One kind of interconnect: latency per collective (s) and bus bandwidth (bytes/s).
+
+    `per_kind` holds measured (kind, alpha, bandwidth) of collectives whose implementation
+    departs from the ring model (gloo's reduce-scatter, for one); other kinds use the link's
+    own figures.
+    """
 
     name: str
     alpha: float
     bandwidth: float
+    per_kind: tuple[tuple[str, float, float], ...] = ()
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte (1 / bandwidth)."""
+        return 1.0 / self.bandwidth
+
+    def for_kind(self, kind: str) -> tuple[float, float]:
+        """(alpha, bandwidth) of collectives of `kind` over this link."""
+        for k, alpha, bandwidth in self.per_kind:
+            if k == kind:
+                return alpha, bandwidth
+        return self.alpha, self.bandwidth
+
+    @staticmethod
+    def from_dict(d: dict) -> Link:
+        """Inverse of dataclasses.asdict (JSON turns tuples into lists)."""
+        d = dict(d)
+        d["per_kind"] = tuple(tuple(x) for x in d.get("per_kind", ()))
+        return Link(**d)
 
 
 @dataclass(frozen=True)
@@ -32,16 +81,23 @@ class HardwareProfile:
     flops: dict[str, float]          # peak dense flop/s by dtype name ("float32", "bfloat16")
     memory_bandwidth: float          # bytes/s
     memory: float                    # bytes of device memory
-    launch: float                    # seconds of fixed overhead per op
+    launch: float                    # seconds of fixed overhead per op (kernel launch)
     intra_node: Link
     inter_node: Link
     devices_per_node: int
     memory_reserve: float = 0.1      # share of memory kept free for the allocator and workspace
-    measured: dict = field(default_factory=dict, compare=False)  # op timings, by key
+    view_launch: float = 0.0         # seconds of host overhead per view op (no kernel runs; it
+    #                                  matters where the host does not run ahead, as on CPUs)
+    measured: dict = field(default_factory=dict, compare=False)  # calibration details
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Peak flop/s for `dtype` (float32 figures for anything without its own)."""
         return self.flops.get(str(dtype).removeprefix("torch."), self.flops["float32"])
+
+    @property
+    def memory_budget(self) -> float:
+        """Bytes per device a plan may use by default: memory less the reserve."""
+        return self.memory * (1 - self.memory_reserve)
 
     def with_links(self, intra: Link | None = None, inter: Link | None = None) -> HardwareProfile:
         """A copy with measured links (see autopar.calibrate)."""
@@ -49,37 +105,72 @@ class HardwareProfile:
                        inter_node=inter or self.inter_node)
 
     def to_dict(self) -> dict:
-        """Plain data for JSON."""
-        d = asdict(self)
-        d.pop("measured")
-        return d
+        """Plain data for JSON (calibration details included)."""
+        return asdict(self)
 
     @staticmethod
     def from_dict(d: dict) -> HardwareProfile:
         """Inverse of to_dict."""
         d = dict(d)
-        d["intra_node"] = Link(**d["intra_node"])
-        d["inter_node"] = Link(**d["inter_node"])
+        d["intra_node"] = Link.from_dict(d["intra_node"])
+        d["inter_node"] = Link.from_dict(d["inter_node"])
+        d["flops"] = dict(d["flops"])
+        d["measured"] = dict(d.get("measured") or {})
         return HardwareProfile(**d)
 
+    def save(self, path: str) -> None:
+        """Write the profile as JSON (e.g. a calibrated one, to plan with later)."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
 
-# DGX A100: A100-SXM4-80GB, NVLink3 600 GB/s bidirectional per GPU, 8x HDR 200 Gb/s per node.
-A100 = HardwareProfile(
-    "a100", {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16": 312e12},
-    2.04e12, 80 * GiB, 5e-6, Link("nvlink3", 10e-6, 240 * GB), Link("ib-hdr", 20e-6, 23 * GB), 8)
-# DGX H100: H100-SXM5-80GB, NVLink4 900 GB/s bidirectional per GPU, 8x NDR 400 Gb/s per node.
-H100 = HardwareProfile(
-    "h100", {"float32": 67e12, "tf32": 495e12, "bfloat16": 989e12, "float16": 989e12},
-    3.35e12, 80 * GiB, 4e-6, Link("nvlink4", 8e-6, 370 * GB), Link("ib-ndr", 18e-6, 46 * GB), 8)
-# DGX H200: the H100's compute with 141 GB of HBM3e at 4.8 TB/s; same links.
-H200 = replace(H100, name="h200", memory_bandwidth=4.8e12, memory=141 * GB)
-# One rank of a gloo world on a small CPU machine (2 cores shared by the ranks): a conservative
-# default; autopar.calibrate measures the real links.
-CPU = HardwareProfile(
-    "cpu", {"float32": 20e9, "bfloat16": 5e9}, 5 * GB, 24 * GiB, 15e-6,
-    Link("gloo-loopback", 150e-6, 1.0 * GB), Link("gloo-tcp", 300e-6, 0.5 * GB), 64)
+    @staticmethod
+    def load(path: str) -> HardwareProfile:
+        """Read a profile written by `save`."""
+        with open(path) as f:
+            return HardwareProfile.from_dict(json.load(f))
 
-PROFILES = {p.name: p for p in (A100, H100, H200, CPU)}
+
+# The built-in profiles, as data (sources in the module docstring).
+BUILTIN: dict[str, dict] = {
+    "a100": {
+        "name": "a100",
+        "flops": {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16": 312e12},
+        "memory_bandwidth": 2.039e12, "memory": 81920 * MiB, "launch": 5e-6,
+        "intra_node": {"name": "nvlink3", "alpha": 10e-6, "bandwidth": 0.8 * 300 * GB},
+        "inter_node": {"name": "ib-hdr", "alpha": 20e-6, "bandwidth": 0.92 * 25 * GB},
+        "devices_per_node": 8,
+    },
+    "h100": {
+        "name": "h100",
+        "flops": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12,
+                  "float16": 989.4e12},
+        "memory_bandwidth": 3.35e12, "memory": 81559 * MiB, "launch": 4e-6,
+        "intra_node": {"name": "nvlink4", "alpha": 8e-6, "bandwidth": 0.8 * 450 * GB},
+        "inter_node": {"name": "ib-ndr", "alpha": 18e-6, "bandwidth": 0.92 * 50 * GB},
+        "devices_per_node": 8,
+    },
+    "h200": {
+        "name": "h200",
+        "flops": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12,
+                  "float16": 989.4e12},
+        "memory_bandwidth": 4.8e12, "memory": 143771 * MiB, "launch": 4e-6,
+        "intra_node": {"name": "nvlink4", "alpha": 8e-6, "bandwidth": 0.8 * 450 * GB},
+        "inter_node": {"name": "ib-ndr", "alpha": 18e-6, "bandwidth": 0.92 * 50 * GB},
+        "devices_per_node": 8,
+    },
+    "cpu": {
+        "name": "cpu",
+        "flops": {"float32": 20e9, "bfloat16": 5e9},
+        "memory_bandwidth": 5 * GB, "memory": 24 * GiB, "launch": 15e-6, "view_launch": 3e-6,
+        "intra_node": {"name": "gloo-loopback", "alpha": 150e-6, "bandwidth": 1.0 * GB},
+        "inter_node": {"name": "gloo-tcp", "alpha": 300e-6, "bandwidth": 0.5 * GB},
+        "devices_per_node": 64,
+    },
+}
+
+PROFILES: dict[str, HardwareProfile] = {k: HardwareProfile.from_dict(v)
+                                        for k, v in BUILTIN.items()}
+A100, H100, H200, CPU = (PROFILES[k] for k in ("a100", "h100", "h200", "cpu"))
 
 
 def get_profile(hardware: str | HardwareProfile) -> HardwareProfile:

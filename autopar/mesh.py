@@ -15,6 +15,10 @@ class MeshSpec:
     Devices are numbered row-major over the mesh, and consecutive devices share a node
     (`devices_per_node`, default from the hardware profile). A mesh dimension whose groups stay
     inside one node uses the intra-node link; otherwise the inter-node link.
+
+    A dimension named "pp" is for pipeline stages: the model is cut by depth into stages along
+    it (autopar.solver.stages), and every stage is planned on the other dimensions. Any other
+    name is a dimension the intra-op solver shards ops over.
     """
 
     shape: tuple[int, ...]
@@ -53,6 +57,21 @@ class MeshSpec:
         span = stride * self.shape[dim]  # consecutive device ids one group covers
         return self.profile.intra_node if span <= per_node else self.profile.inter_node
 
+    @property
+    def pipeline_dim(self) -> int | None:
+        """Index of the "pp" dimension when it splits the mesh (size > 1), else None."""
+        if "pp" in self.names and self.shape[self.names.index("pp")] > 1:
+            return self.names.index("pp")
+        return None
+
+    def without(self, dim: int) -> MeshSpec:
+        """The mesh of the other dimensions (what one pipeline stage runs on); each keeps the
+        link it has in this mesh."""
+        keep = tuple(k for k in range(self.ndim) if k != dim)
+        return Submesh(tuple(self.shape[k] for k in keep) or (1,),
+                       tuple(self.names[k] for k in keep) or ("d0",), self.profile,
+                       self.devices_per_node, parent=self, dims=keep)
+
     def to_dict(self) -> dict:
         """Plain data for JSON."""
         return {"shape": list(self.shape), "names": list(self.names),
@@ -72,3 +91,16 @@ class MeshSpec:
             hardware = "cpu" if mesh.device_type == "cpu" else "h100"
         names = mesh.mesh_dim_names or tuple(f"d{i}" for i in range(mesh.ndim))
         return MeshSpec(tuple(mesh.shape), tuple(names), hardware)
+
+
+@dataclass(frozen=True)
+class Submesh(MeshSpec):
+    """Some dimensions of a `parent` mesh (`dims`), with the parent's links."""
+
+    parent: MeshSpec | None = None
+    dims: tuple[int, ...] = ()
+
+    def link(self, dim: int) -> Link:
+        if self.parent is None or not self.dims:
+            return super().link(dim)
+        return self.parent.link(self.dims[dim])

@@ -40,13 +40,26 @@ class Collective:
 
 @dataclass
 class PlanCost:
-    """Predicted seconds per step and bytes per device."""
+    """Predicted seconds per step and bytes per device.
+
+    `step_time` = `compute` (forward + backward of every op on one device; `compute_forward`
+    of it in the forward pass) + the sum of `communication` (seconds by collective kind, and
+    gradient synchronization). `memory` is bytes per device by kind: parameters, gradients,
+    optimizer (state, master weights) and activations (kept for backward); their sum is the
+    predicted peak, within `memory_budget`. `precision`, `optimizer` and `compute_source`
+    ("roofline" or "measured") say what the model priced.
+    """
 
     step_time: float
     compute: float
     communication: dict[str, float]
     memory: dict[str, float]
     solver_objective: float = 0.0
+    memory_budget: float = 0.0
+    compute_forward: float = 0.0
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    compute_source: str = "roofline"
 
     @property
     def communication_total(self) -> float:
@@ -55,6 +68,67 @@ class PlanCost:
     @property
     def peak_memory(self) -> float:
         return sum(self.memory.values())
+
+
+@dataclass
+class PipelinePlan:
+    """How a pipelined plan cuts the model into stages (mesh dimension "pp").
+
+    The model's graph is coarsened into a chain of layer blocks (`blocks`, module paths); stage
+    k runs blocks `cuts[k-1]` (0 for k = 0) up to `cuts[k]` (the number of blocks for the last
+    stage), on pp rank k mod (pp size): interleaved schedules place `virtual_stages` stages on
+    each pp rank. Every other placement in the Plan (inputs, parameters, strategies, ops) is
+    over the remaining mesh dimensions, the submesh each stage runs on; the Plan's graph is the
+    model traced at the microbatch size (`batch_size // microbatches`).
+
+    Times are seconds per microbatch (forward + backward) per stage; memory is bytes per device
+    of each pp rank: parameters, gradients, optimizer state, and the activations of the
+    microbatches the schedule keeps in flight (`in_flight`, per stage).
+    """
+
+    mesh_dim: int
+    schedule: str                     # gpipe | 1f1b | interleaved
+    microbatches: int
+    virtual_stages: int               # stages per pp rank (1 unless interleaved)
+    batch_size: int                   # the global batch the plan was made for
+    blocks: list[str]
+    cuts: list[int]                   # first block of stages 1..S-1
+    bubble: float                     # (p - 1) / (virtual_stages * microbatches)
+    stage_time: list[float] = field(default_factory=list)
+    in_flight: list[float] = field(default_factory=list)
+    rank_memory: list[dict[str, float]] = field(default_factory=list)
+    loss_reduction: str = "mean"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.cuts) + 1
+
+    def stage_blocks(self, stage: int) -> list[str]:
+        """The blocks stage `stage` runs."""
+        bounds = [0, *self.cuts, len(self.blocks)]
+        return self.blocks[bounds[stage]:bounds[stage + 1]]
+
+    def decision(self) -> dict:
+        """What identifies the pipeline decision (for the plan's hash)."""
+        return {"mesh_dim": self.mesh_dim, "schedule": self.schedule,
+                "microbatches": self.microbatches, "virtual_stages": self.virtual_stages,
+                "cuts": list(self.cuts), "loss_reduction": self.loss_reduction}
+
+    def lines(self) -> list[str]:
+        """The pipeline section of the printed plan."""
+        out = [f"pipeline: {self.num_stages} stages ({self.virtual_stages} per pp rank), "
+               f"schedule {self.schedule}, {self.microbatches} microbatches of "
+               f"{self.batch_size // self.microbatches}, bubble {self.bubble:.3f}"]
+        for k in range(self.num_stages):
+            names = self.stage_blocks(k)
+            shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+            t = f"  {_ms(self.stage_time[k])} ms/microbatch" if self.stage_time else ""
+            held = f", {self.in_flight[k]:g} in flight" if self.in_flight else ""
+            out.append(f"  stage {k}: {len(names)} blocks ({shown}){t}{held}")
+        for r, mem in enumerate(self.rank_memory):
+            out.append(f"  pp rank {r}: {_mib(sum(mem.values()))} MiB per device (" +
+                       ", ".join(f"{k} {_mib(v)}" for k, v in mem.items()) + ")")
+        return out
 
 
 @dataclass
@@ -78,18 +152,31 @@ class Plan:
     solve_time: float = 0.0
     solver: str = ""
     unsupported_ops: list[str] = field(default_factory=list)
+    pipeline: PipelinePlan | None = None
+
+    @property
+    def submesh_shape(self) -> tuple[int, ...]:
+        """The mesh the placements are over: the whole mesh, or without "pp" when pipelined
+        (a size-1 stand-in when pp is the only dimension)."""
+        if self.pipeline is None:
+            return tuple(self.mesh.shape)
+        return tuple(s for k, s in enumerate(self.mesh.shape)
+                     if k != self.pipeline.mesh_dim) or (1,)
 
     # -- identity ------------------------------------------------------------------------------
     def hash(self) -> str:
         """Hash of the decision (mesh, graph, every node's placements); equal plans, equal hash."""
-        payload = json.dumps({"mesh": list(self.mesh.shape), "graph": self.graph_fingerprint,
-                              "strategies": self.strategies}, sort_keys=True)
+        decision = {"mesh": list(self.mesh.shape), "graph": self.graph_fingerprint,
+                    "strategies": self.strategies}
+        if self.pipeline is not None:
+            decision["pipeline"] = self.pipeline.decision()
+        payload = json.dumps(decision, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     # -- serialization -------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """Plain data for JSON."""
-        return {
+        out = {
             "version": FORMAT_VERSION,
             "mesh": self.mesh.to_dict(),
             "inputs": [fmt(p) for p in self.inputs],
@@ -103,6 +190,9 @@ class Plan:
             "solver": self.solver,
             "unsupported_ops": self.unsupported_ops,
         }
+        if self.pipeline is not None:
+            out["pipeline"] = asdict(self.pipeline)
+        return out
 
     @staticmethod
     def from_dict(d: dict) -> Plan:
@@ -116,7 +206,8 @@ class Plan:
             {k: parse(v) for k, v in d["parameters"].items()},
             [OpEntry(**o) for o in d["ops"]], [Collective(**c) for c in d["collectives"]],
             PlanCost(**d["cost"]), strategies, d["graph_fingerprint"], d.get("solve_time", 0.0),
-            d.get("solver", ""), d.get("unsupported_ops", []))
+            d.get("solver", ""), d.get("unsupported_ops", []),
+            PipelinePlan(**d["pipeline"]) if d.get("pipeline") else None)
 
     def save(self, path: str) -> None:
         """Write the plan as JSON."""
@@ -179,13 +270,26 @@ def render(plan: Plan) -> str:
     for (phase, kind), cs in sorted(kinds.items()):
         lines.append(f"  {phase:13s} {kind:15s} x{len(cs):<4d} {_mib(sum(c.bytes for c in cs))}"
                      f" MiB  {_ms(sum(c.time for c in cs))} ms")
-    cost = plan.cost
-    comm = ", ".join(f"{k} {_ms(v)}" for k, v in sorted(cost.communication.items()) if v)
     lines.append("")
-    lines.append(f"predicted step {_ms(cost.step_time)} ms = compute {_ms(cost.compute)} ms + "
-                 f"communication {_ms(cost.communication_total)} ms ({comm or 'none'})")
-    mem = ", ".join(f"{k} {_mib(v)}" for k, v in cost.memory.items())
-    lines.append(f"memory per device {_mib(cost.peak_memory)} MiB ({mem})")
+    lines += cost_lines(plan.cost)
     if plan.unsupported_ops:
         lines.append(f"replicated (no sharding rule): {', '.join(plan.unsupported_ops)}")
+    if plan.pipeline is not None:
+        lines += ["", *plan.pipeline.lines()]
     return "\n".join(lines)
+
+
+def cost_lines(cost: PlanCost) -> list[str]:
+    """The cost summary: step time split into compute and each collective kind, memory per
+    device split by kind, against the budget."""
+    comm = ", ".join(f"{k} {_ms(v)}" for k, v in sorted(cost.communication.items()) if v)
+    split = f"forward {_ms(cost.compute_forward)}, backward " \
+        f"{_ms(cost.compute - cost.compute_forward)}; " if cost.compute_forward else ""
+    out = [f"predicted step {_ms(cost.step_time)} ms = compute {_ms(cost.compute)} ms "
+           f"({split}{cost.compute_source}) + communication {_ms(cost.communication_total)} ms "
+           f"({comm or 'none'})"]
+    mem = ", ".join(f"{k} {_mib(v)}" for k, v in cost.memory.items())
+    budget = f" of {_mib(cost.memory_budget)} MiB budget" if cost.memory_budget else ""
+    out.append(f"memory per device {_mib(cost.peak_memory)} MiB{budget} ({mem}); "
+               f"{cost.precision}, {cost.optimizer}")
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import time
@@ -9,12 +10,12 @@ import time
 from autopar.passes import strategies as strat_pass
 from autopar.passes.cluster import cluster
 from autopar.passes.pipeline_split import layer_blocks
-from autopar.passes.placement import R, fmt, local_shape
+from autopar.passes.placement import fmt, local_shape
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, Strategy, StrategyGraph
 from autopar.passes.styles import allowed_strategies
 from autopar.passes.trace import TracedProgram
 from autopar.solver import stages as pipe
-from autopar.solver.cost import CostModel, numel
+from autopar.solver.cost import CostModel
 from autopar.solver.ilp import (
     NoFeasiblePlan,
     Solution,
@@ -23,6 +24,7 @@ from autopar.solver.ilp import (
     random_choice,
     solve,
 )
+from autopar.solver.memory import memory_split
 
 from .mesh import MeshSpec
 from .plan import Collective, OpEntry, PipelinePlan, Plan, PlanCost
@@ -57,78 +59,65 @@ def styles_by_dim(mesh: MeshSpec, force) -> dict[int, str]:
 
 def solve_plan(program: TracedProgram, mesh: MeshSpec, *, memory_budget=None, force=None,
                solver: str = "HIGHS", time_limit: float = 60.0, seed: int = 0,
-               fold_layers: bool = True) -> tuple[Plan, StrategyGraph]:
+               fold_layers: bool = True, optimizer=None, precision=None,
+               profile=None) -> tuple[Plan, StrategyGraph]:
     """Build strategies, solve the ILP and describe the result.
 
     `solver="random"` draws a valid plan instead (seeded by `seed`): any plan the ILP could
-    choose may come out, which is what the property tests run.
+    choose may come out, which is what the property tests run. `optimizer`, `precision` and
+    `profile` (an autopar.profile.OpProfiler: measured op times) configure the cost model.
     """
     graph = strat_pass.build(program, mesh.shape)
-    cost = CostModel(mesh)
-    if solver == "random":
-        drawn = random_choice(graph, cost, random.Random(seed))
-        choice = {n: graph.nodes[n].strategies[i] for n, i in drawn.items()}
-        return describe(program, graph, mesh, cost, choice), graph
-    forced, discouraged = allowed_strategies(graph, styles_by_dim(mesh, force))
+    cost = CostModel(mesh, optimizer, graph=graph, precision=precision)
+    if profile is not None:
+        cost = cost.copy(measured=profile.measure(graph, cost))
     budget = memory_budget
     if budget is None:
         budget = mesh.profile.memory * (1 - mesh.profile.memory_reserve)
+    if solver == "random":
+        drawn = random_choice(graph, cost, random.Random(seed))
+        choice = {n: graph.nodes[n].strategies[i] for n, i in drawn.items()}
+        return describe(program, graph, mesh, cost, choice, memory_budget=budget), graph
+    forced, discouraged = allowed_strategies(graph, styles_by_dim(mesh, force))
     clusters = cluster(graph, program.graph_module, fold_layers=fold_layers)
     sol = solve(graph, cost, memory_budget=budget, backend=solver, time_limit=time_limit,
                 forced=forced, discouraged=discouraged, clustering=clusters)
     choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
-    return describe(program, graph, mesh, cost, choice, sol), graph
+    return describe(program, graph, mesh, cost, choice, sol, memory_budget=budget), graph
 
 
 def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost: CostModel,
-             choice: dict[str, Strategy], sol: Solution | None = None) -> Plan:
+             choice: dict[str, Strategy], sol: Solution | None = None, *,
+             memory_budget: float | None = None) -> Plan:
     """The Plan for a complete assignment of strategies (from the solver or given)."""
     index = {n: graph.nodes[n].strategies.index(s) for n, s in choice.items()}
     ops, collectives = [], []
-    compute = 0.0
+    compute = forward = 0.0
     comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0,
                               "all_to_all": 0.0, "gradient_sync": 0.0}
-    memory = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0}
+    memory = memory_split(graph, cost, choice)
     for v in graph.nodes.values():
         s = choice[v.name]
         if v.kind == PARAM:
-            sync = cost.grad_sync_time(v, s.output)
-            comm["gradient_sync"] += sync
-            local = numel(_local(v.out_shapes[0], s.output, mesh)) * v.out_dtypes[0].itemsize
-            memory["parameters"] += local
-            memory["gradients"] += local
-            memory["optimizer"] += local * cost.optimizer.states
-            for k, p in enumerate(s.output):
-                if type(p).__name__ == "Replicate" and mesh.shape[k] > 1:
-                    collectives.append(Collective("all_reduce", k, local,
-                                                  cost.collective_time("all_reduce", k, local),
-                                                  "gradient sync", program.params[v.name]))
+            for k, nbytes, t in cost.grad_sync_steps(v, s.output):
+                comm["gradient_sync"] += t
+                collectives.append(Collective("all_reduce", k, nbytes, t, "gradient sync",
+                                              program.params[v.name]))
             continue
         if v.kind == INPUT:
             continue
-        ct = cost.compute_time(v, s)
+        fwd, bwd = cost.compute_times(v, s)
+        ct = fwd + bwd
         compute += ct
-        memory["activations"] += cost.activation_memory(v, s)
+        forward += fwd
         if v.kind == OP:
             out = fmt(s.output) if not v.multi_output else [fmt(o) for o in s.output]
             ops.append(OpEntry(v.name, v.op, [fmt(p) for p in s.inputs], out, 0, ct, v.source))
         for slot, (u, idx) in enumerate(v.inputs):
-            producer = graph.nodes[u]
             src, dst = choice[u].out(idx), s.inputs[slot]
-            dtype = producer.out_dtypes[idx or 0]
-            grad = producer.requires_grad and dtype.is_floating_point
-            for step in cost.reshard_steps(v.in_shapes[slot], src, dst):
-                if step.kind == "slice":
-                    continue
-                nbytes = cost.step_bytes(step, dtype)
-                st = cost.collective_time(step.kind, step.mesh_dim, nbytes)
-                collectives.append(Collective(step.kind, step.mesh_dim, nbytes, st, "forward",
-                                              v.name))
-                comm[step.kind] += st
-                if grad:
-                    collectives.append(Collective(DUAL[step.kind], step.mesh_dim, nbytes, st,
-                                                  "backward", v.name))
-                    comm[DUAL[step.kind]] += st
+            for kind, k, nbytes, t, phase in cost.edge_collectives(graph, v, slot, src, dst):
+                collectives.append(Collective(kind, k, nbytes, t, phase, v.name))
+                comm[kind] += t
     if graph.loss is not None:  # a loss that must be gathered (not a pending sum) costs here
         name, idx = graph.loss
         comm["all_gather"] += loss_sink_time(cost, graph.nodes[name], choice[name].out(idx), idx)
@@ -146,13 +135,21 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
                   for n, s in choice.items() if graph.nodes[n].kind != CONSTANT}
     return Plan(mesh, inputs, params, ops, collectives,
                 PlanCost(step_time, compute, comm, memory,
-                         sol.objective if sol else plan_time(graph, cost, index)),
+                         sol.objective if sol else plan_time(graph, cost, index),
+                         memory_budget=memory_budget or 0.0, compute_forward=forward,
+                         precision=cost.precision.name, optimizer=cost.optimizer.name,
+                         compute_source="measured" if cost.measured else "roofline"),
                 strategies, fingerprint(graph), sol.solve_time if sol else 0.0,
                 sol.backend if sol else "given", graph.unsupported)
 
 
 def choice_from_plan(plan: Plan, graph: StrategyGraph) -> dict[str, Strategy]:
     """The strategies a (loaded) plan prescribes, matched to a freshly traced graph."""
+    if plan.cost.precision != "fp32":
+        raise NotImplementedError(
+            f"this plan was made for {plan.cost.precision} training, which autopar plans for but "
+            "does not execute yet (the runtime trains in float32); re-plan with "
+            "precision=\"fp32\" (the default) to run it")
     if plan.graph_fingerprint != fingerprint(graph) or plan.submesh_shape != graph.mesh_shape:
         raise ValueError(
             "this plan was made for another model, input shape or mesh (graph fingerprint "
@@ -186,20 +183,26 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: i
                         schedule: str | None = None, virtual_stages: int | None = None,
                         memory_budget=None, force=None, solver: str = "HIGHS",
                         time_limit: float = 60.0, seed: int = 0,
-                        loss_reduction: str = "mean") -> Plan:
+                        loss_reduction: str = "mean", optimizer=None, precision=None,
+                        profile=None) -> Plan:
     """Plan a model over a mesh with a "pp" dimension: cut it into pipeline stages
     (solver/stages.py), then solve each stage's intra-op ILP on the other dimensions, identical
     stages once, each stage's inputs fixed to the placements the previous stage produces.
 
     `trace_at(m)` returns the model traced at the microbatch size `batch // m`. Without
-    `microbatches` the model is first traced at the whole batch to choose it.
+    `microbatches` the model is first traced at the whole batch to choose it. `optimizer`,
+    `precision` and `profile` configure the cost model as in `solve_plan`.
     """
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', not {loss_reduction!r}")
     pp = mesh.pipeline_dim
     p = mesh.shape[pp]
+    if microbatches is not None and (microbatches < 1 or batch % microbatches):
+        raise pipe.StageError(
+            f"the batch of {batch} does not split into {microbatches} microbatches; choose a "
+            "divisor of the batch (" + ", ".join(map(str, pipe.divisors(batch, batch))) + ")")
     sub = mesh.without(pp)
-    cost = CostModel(sub)
+    backend = "HIGHS" if solver == "random" else solver
     budget = memory_budget if memory_budget is not None else \
         mesh.profile.memory * (1 - mesh.profile.memory_reserve)
     link = mesh.link(pp)
@@ -212,16 +215,17 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: i
         raise ValueError("a pipelined plan trains through step(); pass loss_fn= (pipelined "
                          "inference alone is not supported)")
     graph = strat_pass.build(program, sub.shape)
+    cost = _stage_cost(sub, graph, optimizer, precision, profile)
     blocks = layer_blocks(program, graph)
     priced = pipe.price_blocks(graph, cost, blocks.of_node, blocks.names, link,
-                               backend=solver, time_limit=time_limit)
+                               backend=backend, time_limit=time_limit)
     best = pipe.choose(priced, p, batch, batch // m0, budget, microbatches=microbatches,
-                       schedule=schedule, virtual_stages=virtual_stages, backend=solver,
-                       time_limit=time_limit)
+                       schedule=schedule, virtual_stages=virtual_stages)
     m, v, sched = best.microbatches, best.virtual_stages, best.schedule
     if m != m0:
         program = trace_at(m)
         graph = strat_pass.build(program, sub.shape)
+        cost = _stage_cost(sub, graph, optimizer, precision, profile)
         again = layer_blocks(program, graph)
         if again.names != blocks.names:
             raise RuntimeError("the model traces into different layer blocks at the microbatch "
@@ -243,15 +247,13 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: i
     for s in range(num_stages):
         members = [n for n in graph.nodes if stage_of.get(n) == s]
         g = pipe.subgraph(graph, members, choice)
-        forced, discouraged = allowed_strategies(g, styles) if styles else (None, {})
-        for name, ks in _sharded_on_trivial_dims(g).items():
-            discouraged[name] = sorted(set(discouraged.get(name, ())) | set(ks))
+        forced, discouraged = allowed_strategies(g, styles) if styles else (None, None)
         try:
             picked = pipe.solve_subgraph(g, scaled, cache,
                                          memory_budget=pipe.stage_budget(budget, v),
-                                         backend=solver if draw is None else "HIGHS",
-                                         time_limit=time_limit, forced=forced,
-                                         discouraged=discouraged, draw=draw)
+                                         backend=backend, time_limit=time_limit,
+                                         forced=forced, discouraged=discouraged, draw=draw,
+                                         program=program.graph_module)
         except NoFeasiblePlan:
             names = blocks.names[first[s]:(first + [len(blocks.names)])[s + 1]]
             raise NoFeasiblePlan(
@@ -265,7 +267,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: i
     for name, node in graph.nodes.items():
         choice.setdefault(name, node.strategies[0])  # unused parameters and inputs
 
-    base = describe(program, graph, sub, cost, choice)
+    base = describe(program, graph, sub, cost, choice, memory_budget=budget)
     dims = [k for k in range(mesh.ndim) if k != pp]
     ops = [OpEntry(o.name, o.op, o.inputs, o.output, stage_of.get(o.name, 0), o.time, o.source)
            for o in base.ops]
@@ -276,12 +278,12 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: i
     stage_time, grad_sync, transfer, priced_stages = [], [], [], []
     for s, (g, picked) in enumerate(stages):
         pr = pipe.price(g, cost, picked)
-        t_send = pipe.transfer_time(graph, sends.get(s, []), choice, link, sub.shape)[0]
+        t_send = pipe.transfer_time(graph, cost, sends.get(s, []), choice, link)[0]
         for u, idx in sends.get(s, []):
             v_ = graph.nodes[u]
             dtype = v_.out_dtypes[idx or 0]
-            nbytes = numel(local_shape(v_.out_shapes[idx or 0], choice[u].out(idx), sub.shape)) \
-                * dtype.itemsize
+            nbytes = cost.nbytes(local_shape(v_.out_shapes[idx or 0], choice[u].out(idx),
+                                             sub.shape), dtype)
             t = link.alpha + nbytes / link.bandwidth
             collectives.append(Collective("p2p", pp, nbytes, t, "forward", u))
             if v_.requires_grad and dtype.is_floating_point:
@@ -315,25 +317,26 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: i
                             pipe.bubble_fraction(sched, p, m, v), stage_time, held,
                             rank_memory, loss_reduction)
     return Plan(mesh, base.inputs, base.parameters, ops, collectives,
-                PlanCost(total, compute, comm, dict(peak), best.objective), base.strategies,
+                _pipeline_cost(base.cost, total, compute, comm, peak, best.objective),
+                base.strategies,
                 base.graph_fingerprint, time.perf_counter() - start,
                 "random" if draw else solver.upper(), base.unsupported_ops, pipeline)
 
 
-def _sharded_on_trivial_dims(graph: StrategyGraph) -> dict[str, list[int]]:
-    """Strategies that shard or leave pending sums on mesh dimensions of size 1 (the stand-in
-    dimension of a mesh that is pp alone): no different from replicating, and less clear."""
-    trivial = [k for k, n in enumerate(graph.mesh_shape) if n == 1]
-    out: dict[str, list[int]] = {}
-    if not trivial:
-        return out
-    for name, v in graph.nodes.items():
-        ks = []
-        for i, st in enumerate(v.strategies):
-            outs = st.output if v.multi_output else (st.output,)
-            if any(not isinstance(pl[k], type(R)) for pl in (*st.inputs, *outs)
-                   for k in trivial):
-                ks.append(i)
-        if ks and len(ks) < len(v.strategies):
-            out[name] = ks
-    return out
+def _pipeline_cost(whole: PlanCost, step: float, compute: float, comm: dict, memory: dict,
+                   objective: float) -> PlanCost:
+    """The cost of a pipelined plan: the busiest pp rank's step (see solve_pipeline_plan);
+    what `whole` (the whole graph priced on the submesh) says of the rest carries over, its
+    forward share of compute kept."""
+    forward = getattr(whole, "compute_forward", 0.0)
+    extra = {"compute_forward": forward * compute / whole.compute} if forward and whole.compute \
+        else {}
+    return dataclasses.replace(whole, step_time=step, compute=compute, communication=comm,
+                               memory=dict(memory), solver_objective=objective, **extra)
+
+
+def _stage_cost(sub: MeshSpec, graph: StrategyGraph, optimizer, precision, profile) -> CostModel:
+    cost = CostModel(sub, optimizer, graph=graph, precision=precision)
+    if profile is not None:
+        cost = cost.copy(measured=profile.measure(graph, cost))
+    return cost

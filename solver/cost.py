@@ -1,29 +1,44 @@
 """The cost model: seconds of compute and communication, bytes of memory, per strategy and edge.
 
+Everything is seconds or bytes, per device, for one training step (forward + backward).
+
 - compute: roofline per op on local shapes, max(flops / peak, bytes / memory bandwidth) plus a
-  launch floor; the backward pass costs `backward_factor` times the forward (2 for products and
-  attention, whose backward computes two products per forward one; 1 otherwise).
+  launch floor, forward and backward priced separately. A product (linear, mm, bmm, addmm,
+  matmul) computes one product per operand that needs a gradient in backward (2x its forward
+  flops for a hidden layer, 1x for the first layer, whose input needs none); attention
+  (QK^T and PV, 4 B H L S E flops, half of it under a causal mask) costs 2x its forward in
+  backward; other ops cost their forward again. A profile of measured op times
+  (autopar.profile, keyed by `op_key`: op, local shapes, dtypes, arguments) replaces the
+  roofline for every op it holds.
 - communication: alpha-beta per mesh dimension: alpha + factor * bytes / bandwidth with the ring
   algorithm factors all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n on the gathered
   size, all-to-all (n-1)/n on the local size. A tensor that carries a gradient pays each
   collective's dual in backward as well (same bytes).
 - gradient synchronization: a parameter stored replicated on a mesh dimension gets its gradient
-  all-reduced there (the local gradient of a replicated value is a pending sum).
-- memory: parameters, gradients and optimizer state per storage placement, plus the outputs the
-  backward pass keeps.
+  all-reduced there (the local gradient of a replicated value is a pending sum), in buckets.
+- memory (solver/memory.py): parameters, gradients and optimizer state per storage placement,
+  plus the tensors autograd keeps for backward, per strategy and per resharding edge.
+- precision: "fp32", or "bf16-mixed" (parameters, activations, gradients and collectives in
+  bfloat16; float32 master weights and optimizer state).
 """
 
 from __future__ import annotations
 
+import copy
 import math
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from torch.utils import _pytree as pytree
 
-from autopar.passes.placement import Placements, Replicate, local_shape
+from autopar.passes.placement import Placements, Replicate, fmt, local_shape
+from autopar.passes.rules import LOWERINGS, TensorArg
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, SNode, Strategy, StrategyGraph
 
+from . import memory as mem
 from .reshard import ReshardError, Step, plan_steps
 
 ALGO_FACTOR = {
@@ -32,18 +47,83 @@ ALGO_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
 }
-_MATMUL = ("linear", "addmm", "mm.", "bmm", "matmul", "scaled_dot_product_attention")
+_PRODUCTS = ("linear", "addmm", "mm.", "bmm", "matmul")
+_MATMUL = (*_PRODUCTS, "scaled_dot_product_attention")
 _VIEWS = ("view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "slice",
-          "select", "split", "alias", "t.default", "unflatten", "flatten", "detach")
+          "select", "split", "alias", "t.default", "unflatten", "flatten", "detach",
+          "_unsafe_view", "broadcast_tensors", "unbind", "chunk", "narrow", "as_strided")
+DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
+        "all_reduce": "all_reduce", "all_to_all": "all_to_all"}
 INFEASIBLE = float("inf")
+# Ops built on exp / erf / rsqrt (and norms, softmax and losses, which add reductions): about
+# 20 flops per element on vector units (a polynomial per transcendental), against one for
+# arithmetic. Memory-bound on GPUs either way; on CPUs it is what they cost.
+_TRANSCENDENTAL = ("layer_norm", "rms_norm", "_softmax", "softmax", "_log_softmax",
+                   "log_softmax", "cross_entropy", "gelu", "silu", "tanh", "sigmoid", "exp.",
+                   "erf", "rsqrt", "log.", "softplus", "mish", "sin.", "cos.")
+TRANSCENDENTAL_FLOPS = 20.0
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """Bytes of optimizer state per parameter byte (AdamW: two moments)."""
+    """What an optimizer keeps per parameter: `states` tensors of the parameter's shape (in the
+    master dtype: float32 under mixed precision, the parameter's dtype otherwise) and
+    `scalar_bytes` per parameter tensor (AdamW's `step`, a float32 scalar tensor)."""
 
     name: str = "adamw"
     states: int = 2
+    scalar_bytes: int = 4
+
+
+OPTIMIZERS = {
+    "adamw": OptimizerSpec("adamw", 2, 4),
+    "adam": OptimizerSpec("adam", 2, 4),
+    "sgd-momentum": OptimizerSpec("sgd-momentum", 1, 0),
+    "sgd": OptimizerSpec("sgd", 0, 0),
+}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Dtypes of training: `compute` for floating-point parameters, activations, gradients and
+    collectives; `master` for the optimizer's copy of the weights and its state (None: the
+    parameters themselves, no copy)."""
+
+    name: str = "fp32"
+    compute: torch.dtype = torch.float32
+    master: torch.dtype | None = None
+
+
+PRECISIONS = {
+    "fp32": Precision("fp32", torch.float32, None),
+    "bf16-mixed": Precision("bf16-mixed", torch.bfloat16, torch.float32),
+}
+
+
+def optimizer_spec(optimizer: str | OptimizerSpec | None) -> OptimizerSpec:
+    """An optimizer by name ("adamw", "adam", "sgd-momentum", "sgd"), or the given spec."""
+    if optimizer is None:
+        return OPTIMIZERS["adamw"]
+    if isinstance(optimizer, OptimizerSpec):
+        return optimizer
+    try:
+        return OPTIMIZERS[optimizer.lower()]
+    except KeyError:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from "
+                         f"{', '.join(OPTIMIZERS)} or pass an OptimizerSpec") from None
+
+
+def precision_spec(precision: str | Precision | None) -> Precision:
+    """A precision by name ("fp32", "bf16-mixed"), or the given spec."""
+    if precision is None:
+        return PRECISIONS["fp32"]
+    if isinstance(precision, Precision):
+        return precision
+    try:
+        return PRECISIONS[precision.lower()]
+    except KeyError:
+        raise ValueError(f"unknown precision {precision!r}; choose from "
+                         f"{', '.join(PRECISIONS)}") from None
 
 
 def numel(shape) -> int:
@@ -55,16 +135,49 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 class CostModel:
-    """Prices strategies and resharding edges for one mesh (a MeshSpec)."""
+    """Prices strategies and resharding edges for one mesh (a MeshSpec).
 
-    def __init__(self, mesh, optimizer: OptimizerSpec | None = None,
-                 bucket_bytes: float = 25 * 2**20):
+    `graph` (the strategy graph being priced) tells which inputs of each node need gradients
+    and which tensors several ops keep; without it every floating-point input of a node that
+    needs a gradient is assumed to need one and every kept tensor is counted per op.
+    `measured` maps `op_key`s to measured (forward, backward) seconds (autopar.profile).
+    """
+
+    def __init__(self, mesh, optimizer: str | OptimizerSpec | None = None,
+                 bucket_bytes: float = 25 * 2**20, *, graph: StrategyGraph | None = None,
+                 precision: str | Precision | None = None,
+                 measured: Mapping[str, tuple[float, float]] | None = None):
         self.mesh = mesh
         self.bucket_bytes = bucket_bytes
         self.hw = mesh.profile
         self.shape = tuple(mesh.shape)
-        self.optimizer = optimizer or OptimizerSpec()
+        self.optimizer = optimizer_spec(optimizer)
+        self.precision = precision_spec(precision)
+        self.measured = dict(measured or {})
+        self.graph = graph
+        self.info: dict[str, mem.NodeInfo] = mem.node_infos(graph) if graph is not None else {}
         self._reshard = lru_cache(maxsize=None)(self._reshard_uncached)
+
+    def copy(self, **changes) -> CostModel:
+        """The same model with some settings changed (mesh, optimizer, bucket_bytes, graph,
+        precision, measured)."""
+        kw = dict(mesh=self.mesh, optimizer=self.optimizer, bucket_bytes=self.bucket_bytes,
+                  graph=self.graph, precision=self.precision, measured=self.measured)
+        kw.update(changes)
+        out = copy.copy(self)  # keeps a subclass's own state
+        CostModel.__init__(out, **kw)
+        return out
+
+    # -- dtypes ----------------------------------------------------------------------------------
+    def dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a traced (float32) tensor has under the plan's precision."""
+        if dtype == torch.float32 and self.precision.compute != torch.float32:
+            return self.precision.compute
+        return dtype
+
+    def nbytes(self, shape, dtype: torch.dtype) -> int:
+        """Bytes of a tensor of `shape` and traced `dtype` under the plan's precision."""
+        return numel(shape) * itemsize(self.dtype(dtype))
 
     # -- communication -------------------------------------------------------------------------
     def collective_time(self, kind: str, mesh_dim: int, nbytes: float) -> float:
@@ -72,14 +185,14 @@ class CostModel:
         n = self.shape[mesh_dim]
         if n == 1 or kind == "slice":
             return 0.0
-        link = self.mesh.link(mesh_dim)
-        return link.alpha + ALGO_FACTOR[kind](n) * nbytes / link.bandwidth
+        alpha, bandwidth = self.mesh.link(mesh_dim).for_kind(kind)
+        return alpha + ALGO_FACTOR[kind](n) * nbytes / bandwidth
 
     def step_bytes(self, step: Step, dtype: torch.dtype) -> int:
         """The size a step's algorithm factor applies to."""
         shape = step.in_shape if step.kind in ("reduce_scatter", "all_reduce", "all_to_all") \
             else step.out_shape
-        return numel(shape) * itemsize(dtype)
+        return self.nbytes(shape, dtype)
 
     def reshard_time(self, shape, dtype, src: Placements, dst: Placements, grad: bool) -> float:
         """Forward (+ backward dual when the tensor carries a gradient) seconds of an edge."""
@@ -92,30 +205,139 @@ class CostModel:
             steps = plan_steps(shape, src, dst, self.shape)
         except ReshardError:
             return INFEASIBLE
-        t = sum(self.collective_time(s.kind, s.mesh_dim, self.step_bytes(s, dtype))
-                for s in steps)
-        return t * (2 if grad else 1)
+        t = 0.0
+        for s in steps:
+            if s.kind == "slice":
+                continue
+            nbytes = self.step_bytes(s, dtype)
+            t += self.collective_time(s.kind, s.mesh_dim, nbytes)
+            if grad:  # the dual collective in backward, same bytes
+                t += self.collective_time(DUAL[s.kind], s.mesh_dim, nbytes)
+        return t
+
+    def edge_collectives(self, graph: StrategyGraph, consumer: SNode, slot: int,
+                         src: Placements, dst: Placements) -> list[tuple[str, int, int, float,
+                                                                         str]]:
+        """The collectives input `slot` of `consumer` costs when produced at `src` and consumed
+        at `dst`: (kind, mesh dimension, bytes, seconds, "forward" or "backward"); raises
+        ReshardError when there is no such resharding.
+
+        The runtime reshards a tensor once per target placement, whichever ops consume it, so
+        each of the k ops consuming it pays 1/k (exact when they consume it alike). Parameters
+        whose use is one all-gather from their storage (FSDP) are gathered together, one
+        collective per mesh dimension (one reduce-scatter of their gradients in backward), so
+        such a gather pays the link latency in proportion to its share of all parameters."""
+        producer = graph.nodes[consumer.inputs[slot][0]]
+        idx = consumer.inputs[slot][1]
+        dtype = producer.out_dtypes[idx or 0]
+        grad = producer.requires_grad and dtype.is_floating_point
+        if tuple(src) == tuple(dst):
+            return []
+        steps = [s for s in plan_steps(consumer.in_shapes[slot], src, dst, self.shape)
+                 if self.shape[s.mesh_dim] > 1]
+        facts = _graph_facts(graph)
+        share = 1.0 / max(1, facts.consumers[consumer.inputs[slot]])
+        grouped = producer.kind == PARAM and len(steps) == 1 and steps[0].kind == "all_gather"
+        latency = facts.param_share[producer.name] if grouped else 1.0
+        out = []
+        for s in steps:
+            if s.kind == "slice":
+                continue
+            nbytes = self.step_bytes(s, dtype)
+            kinds = [(s.kind, "forward")] + ([(DUAL[s.kind], "backward")] if grad else [])
+            for kind, phase in kinds:
+                n = self.shape[s.mesh_dim]
+                alpha, bandwidth = self.mesh.link(s.mesh_dim).for_kind(kind)
+                t = alpha * latency + ALGO_FACTOR[kind](n) * nbytes / bandwidth
+                out.append((kind, s.mesh_dim, nbytes, t * share, phase))
+        return out
 
     def reshard_steps(self, shape, src, dst) -> list[Step]:
         return plan_steps(shape, src, dst, self.shape)
 
     # -- compute -------------------------------------------------------------------------------
-    def compute_time(self, node: SNode, strategy: Strategy) -> float:
-        """Forward + backward seconds of `node` under `strategy` on one device."""
-        if node.kind in (INPUT, PARAM):
-            return 0.0
+    def grad_inputs(self, node: SNode) -> tuple[bool, ...]:
+        """Which inputs of `node` need a gradient (all floating-point ones without the graph)."""
+        info = self.info.get(node.name)
+        if info is not None:
+            return info.grad_inputs
+        if not node.requires_grad or node.call is None:
+            return tuple(False for _ in node.inputs)
+        return tuple(t.dtype.is_floating_point for t in node.call.inputs)
+
+    def local_shapes(self, node: SNode, strategy: Strategy) -> tuple[list[tuple], list[tuple]]:
+        """Local input and output shapes of `node` under `strategy`."""
         in_local = [local_shape(s, p, self.shape) for s, p in zip(node.in_shapes, strategy.inputs)]
         outs = strategy.output if node.multi_output else (strategy.output,)
         out_local = [local_shape(s, p, self.shape) for s, p in zip(node.out_shapes, outs)]
+        return in_local, out_local
+
+    def op_key(self, node: SNode, strategy: Strategy) -> str:
+        """What identifies one measured op: the op, its local input shapes and dtypes, its other
+        arguments, which inputs need gradients, and (for ops that run differently on shards)
+        its placements."""
+        in_local, _ = self.local_shapes(node, strategy)
+        dtypes = [str(self.dtype(t.dtype)).removeprefix("torch.") for t in node.call.inputs]
+        grads = "".join("g" if g else "-" for g in self.grad_inputs(node)) \
+            if node.requires_grad and node.kind != CONSTANT else ""
+        args = _args_text(node.call.args, TensorArg) + _args_text(node.call.kwargs, TensorArg)
+        key = f"{node.op}|{in_local}|{dtypes}|{args}|{grads}"
+        if node.call.target in LOWERINGS:
+            outs = strategy.output if node.multi_output else (strategy.output,)
+            key += "|" + " ".join(fmt(p) for p in strategy.inputs) + "->" + \
+                " ".join(fmt(p) for p in outs)
+        return key
+
+    def is_measurable(self, node: SNode) -> bool:
+        """Nodes a profile times: ops (not placeholders)."""
+        return node.kind in (OP, CONSTANT) and node.call is not None
+
+    def compute_time(self, node: SNode, strategy: Strategy) -> float:
+        """Forward + backward seconds of `node` under `strategy` on one device."""
+        fwd, bwd = self.compute_times(node, strategy)
+        return fwd + bwd
+
+    def compute_times(self, node: SNode, strategy: Strategy) -> tuple[float, float]:
+        """(forward, backward) seconds of `node` under `strategy`; backward is 0 for nodes that
+        need no gradient."""
+        if node.kind in (INPUT, PARAM):
+            return 0.0, 0.0
+        grad = node.requires_grad and node.kind != CONSTANT
+        if self.measured and self.is_measurable(node):
+            got = self.measured.get(self.op_key(node, strategy))
+            if got is not None:
+                return got[0], (got[1] if grad else 0.0)
+        in_local, out_local = self.local_shapes(node, strategy)
         flops = op_flops(node, in_local, out_local)
-        dtype = node.out_dtypes[0] if node.out_dtypes else torch.float32
-        nbytes = 0 if is_view(node) else (
-            sum(numel(s) for s in in_local) + sum(numel(s) for s in out_local)) * itemsize(dtype)
-        fwd = max(flops / self.hw.peak_flops(dtype), nbytes / self.hw.memory_bandwidth)
-        fwd += 0.0 if is_view(node) else self.hw.launch
+        view = is_view(node)
+        dtypes = [t.dtype for t in node.call.inputs] if node.call is not None else \
+            [node.out_dtypes[0]] * len(in_local)
+        nbytes = 0 if view else (
+            sum(self.nbytes(s, dt) for s, dt in zip(in_local, dtypes))
+            + sum(self.nbytes(s, dt) for s, dt in zip(out_local, node.out_dtypes)))
+        dtype = self.dtype(node.out_dtypes[0] if node.out_dtypes else torch.float32)
+        roof = max(flops / self.hw.peak_flops(dtype), nbytes / self.hw.memory_bandwidth)
+        launch = self.hw.view_launch if view else self.hw.launch
+        fwd = roof + launch
+        if not grad:
+            return fwd, 0.0
+        if any(node.op.startswith(m) for m in _PRODUCTS):
+            # One product per operand that needs a gradient (the bias gradient is a sum).
+            g = sum(self.grad_inputs(node)[i] for i in _product_operands(node))
+            return fwd, g * roof + max(g, 1) * launch
+        return fwd, backward_factor(node) * roof + launch
+
+    def training_flops(self, node: SNode, strategy: Strategy) -> tuple[float, float]:
+        """(forward, backward) floating-point operations of `node` under `strategy`."""
+        if node.kind in (INPUT, PARAM) or is_view(node):
+            return 0.0, 0.0
+        in_local, out_local = self.local_shapes(node, strategy)
+        f = op_flops(node, in_local, out_local)
         if not node.requires_grad or node.kind == CONSTANT:
-            return fwd
-        return fwd * (1 + backward_factor(node))
+            return f, 0.0
+        if any(node.op.startswith(m) for m in _PRODUCTS):
+            return f, f * sum(self.grad_inputs(node)[i] for i in _product_operands(node))
+        return f, f * backward_factor(node)
 
     # -- parameters ----------------------------------------------------------------------------
     def grad_sync_time(self, node: SNode, storage: Placements) -> float:
@@ -124,29 +346,46 @@ class CostModel:
         Gradients are synchronized in buckets of `bucket_bytes`, so a parameter pays the
         bandwidth term in full and its share of one bucket's latency.
         """
-        local = numel(local_shape(node.out_shapes[0], storage, self.shape))
-        nbytes = local * itemsize(node.out_dtypes[0])
-        share = min(1.0, nbytes / self.bucket_bytes)
-        total = 0.0
+        return sum(t for _, _, t in self.grad_sync_steps(node, storage))
+
+    def grad_sync_steps(self, node: SNode, storage: Placements) -> list[tuple[int, int, float]]:
+        """(mesh dimension, bytes, seconds) of each all-reduce of the gradient's share.
+
+        A bucket's latency is shared by its gradients by size: a parameter pays
+        bytes / bucket_bytes of it, or (a model smaller than one bucket: one all-reduce for
+        all) its share of all parameters, when the cost model knows the graph."""
+        nbytes = self.nbytes(local_shape(node.out_shapes[0], storage, self.shape),
+                             node.out_dtypes[0])
+        share = nbytes / self.bucket_bytes
+        if self.graph is not None and node.name in self.graph.nodes:
+            share = max(share, _graph_facts(self.graph).param_share[node.name])
+        share = min(1.0, share)
+        out = []
         for k, p in enumerate(storage):
             if isinstance(p, Replicate) and self.shape[k] > 1:
-                link = self.mesh.link(k)
-                total += link.alpha * share + ALGO_FACTOR["all_reduce"](self.shape[k]) * \
-                    nbytes / link.bandwidth
-        return total
+                alpha, bandwidth = self.mesh.link(k).for_kind("all_reduce")
+                out.append((k, nbytes, alpha * share + ALGO_FACTOR["all_reduce"](
+                    self.shape[k]) * nbytes / bandwidth))
+        return out
+
+    def param_memory_split(self, node: SNode, storage: Placements) -> dict[str, float]:
+        """Bytes per device of a parameter, its gradient and its optimizer state."""
+        return mem.parameter_bytes(self, node, storage)
 
     def param_memory(self, node: SNode, storage: Placements) -> float:
         """Bytes per device of a parameter, its gradient and its optimizer state."""
-        local = numel(local_shape(node.out_shapes[0], storage, self.shape))
-        return local * itemsize(node.out_dtypes[0]) * (2 + self.optimizer.states)
+        return sum(self.param_memory_split(node, storage).values())
 
     def activation_memory(self, node: SNode, strategy: Strategy) -> float:
-        """Bytes per device the backward pass keeps of this node's output."""
-        if node.kind != OP or not node.requires_grad or is_view(node):
-            return 0.0
-        outs = strategy.output if node.multi_output else (strategy.output,)
-        return sum(numel(local_shape(s, p, self.shape)) * itemsize(dt)
-                   for s, p, dt in zip(node.out_shapes, outs, node.out_dtypes))
+        """Bytes per device autograd keeps for backward on account of this node's strategy: its
+        own output when its backward needs it, and statistics (solver/memory.py)."""
+        return mem.saved_bytes(self, node, strategy)
+
+    def edge_memory(self, graph: StrategyGraph, consumer: SNode, slot: int,
+                    src: Placements, dst: Placements) -> float:
+        """Bytes per device autograd keeps of input `slot` of `consumer` when it is produced at
+        `src` and consumed at `dst` (solver/memory.py)."""
+        return mem.edge_saved_bytes(self, graph, consumer, slot, tuple(src), tuple(dst))
 
     # -- whole nodes ---------------------------------------------------------------------------
     def node_time(self, node: SNode, strategy: Strategy) -> float:
@@ -156,18 +395,63 @@ class CostModel:
         return self.compute_time(node, strategy)
 
     def node_memory(self, node: SNode, strategy: Strategy) -> float:
+        """Bytes per device of `node` under `strategy`: the ILP's memory coefficient."""
         if node.kind == PARAM:
             return self.param_memory(node, strategy.output)
         return self.activation_memory(node, strategy)
 
     def edge_time(self, graph: StrategyGraph, consumer: SNode, slot: int,
                   src: Placements, dst: Placements) -> float:
-        """Resharding seconds on input `slot` of `consumer` from `src` to `dst`."""
+        """Resharding seconds on input `slot` of `consumer` from `src` to `dst`, forward and
+        backward (see `edge_collectives`)."""
         producer = graph.nodes[consumer.inputs[slot][0]]
-        index = consumer.inputs[slot][1]
-        dtype = producer.out_dtypes[index or 0]
-        return self.reshard_time(consumer.in_shapes[slot], dtype, src, dst,
-                                 producer.requires_grad and dtype.is_floating_point)
+        consumers = _graph_facts(graph).consumers[consumer.inputs[slot]]
+        if producer.kind != PARAM and consumers <= 1:
+            index = consumer.inputs[slot][1]
+            dtype = producer.out_dtypes[index or 0]
+            return self.reshard_time(consumer.in_shapes[slot], dtype, src, dst,
+                                     producer.requires_grad and dtype.is_floating_point)
+        try:
+            return sum(c[3] for c in self.edge_collectives(graph, consumer, slot, src, dst))
+        except ReshardError:
+            return INFEASIBLE
+
+
+@dataclass
+class _GraphFacts:
+    consumers: Counter         # (producer, output index) -> number of ops consuming it
+    param_share: dict          # parameter -> its share of all parameters' elements
+
+
+_FACTS: dict[int, tuple[StrategyGraph, _GraphFacts]] = {}
+
+
+def _graph_facts(graph: StrategyGraph) -> _GraphFacts:
+    """Consumers per tensor and parameter shares of a graph (computed once per graph)."""
+    got = _FACTS.get(id(graph))
+    if got is not None and got[0] is graph:
+        return got[1]
+    consumers: Counter = Counter()
+    for v in graph.nodes.values():
+        for ref in v.inputs:
+            consumers[ref] += 1
+    params = {n: numel(v.out_shapes[0]) for n, v in graph.nodes.items() if v.kind == PARAM}
+    total = sum(params.values()) or 1
+    facts = _GraphFacts(consumers, {n: k / total for n, k in params.items()})
+    if len(_FACTS) > 64:
+        _FACTS.clear()
+    _FACTS[id(graph)] = (graph, facts)
+    return facts
+
+
+def _args_text(tree, tensor_type) -> str:
+    leaves = pytree.tree_map(lambda a: "T" if isinstance(a, tensor_type) else a, tree)
+    return repr(leaves)
+
+
+def _product_operands(node: SNode) -> tuple[int, ...]:
+    """Input slots of the two matrices of a product (the bias of addmm is slot 0)."""
+    return (1, 2) if node.op.startswith("addmm") else (0, 1)
 
 
 def is_view(node: SNode) -> bool:
@@ -175,27 +459,41 @@ def is_view(node: SNode) -> bool:
 
 
 def backward_factor(node: SNode) -> float:
+    """Backward flops per forward flop, without knowing which inputs need gradients: 2 for
+    products and attention, 1 otherwise."""
     return 2.0 if any(node.op.startswith(m) for m in _MATMUL) else 1.0
+
+
+def attention_flops(q: tuple, k: tuple, v: tuple | None = None, causal: bool = False) -> float:
+    """Forward flops of attention on (..., L, E) queries and (..., S, E) keys / (..., S, Ev)
+    values: QK^T (2 L S E per batch and head) and PV (2 L S Ev); a causal mask halves both
+    (the kernels skip the masked blocks)."""
+    heads = numel(q[:-2])
+    L, E = q[-2], q[-1]
+    S = k[-2]
+    Ev = v[-1] if v is not None else E
+    return 2.0 * heads * L * S * (E + Ev) * (0.5 if causal else 1.0)
 
 
 def op_flops(node: SNode, in_local: list[tuple], out_local: list[tuple]) -> float:
     """Floating-point operations of the forward op on local shapes."""
     op = node.op
-    if op.startswith("linear") or op.startswith("matmul") or op.startswith("bmm"):
+    if op.startswith("linear") or op.startswith("matmul") or op.startswith("bmm") or \
+            op.startswith("mm."):
         k = in_local[0][-1] if in_local[0] else 1
         return 2.0 * numel(out_local[0]) * k
-    if op.startswith("addmm") or op.startswith("mm."):
-        x = in_local[1] if op.startswith("addmm") else in_local[0]
-        return 2.0 * numel(out_local[0]) * x[-1]
+    if op.startswith("addmm"):
+        return 2.0 * numel(out_local[0]) * in_local[1][-1]
     if op.startswith("scaled_dot_product_attention"):
-        q, k = in_local[0], in_local[1]
-        b_h_l = numel(q[:-1])
-        flops = 4.0 * b_h_l * k[-2] * q[-1]
         causal = node.call is not None and bool(node.call.arg(5, "is_causal", False))
-        return flops * (0.5 if causal else 1.0)
+        return attention_flops(in_local[0], in_local[1], in_local[2], causal)
     if is_view(node):
         return 0.0
-    if op.startswith("layer_norm") or op.startswith("rms_norm") or op.startswith("_softmax") or \
-            op.startswith("cross_entropy") or op.startswith("_log_softmax"):
-        return 5.0 * numel(in_local[0])
+    if op.startswith(_TRANSCENDENTAL):
+        return TRANSCENDENTAL_FLOPS * numel(in_local[0])
     return float(sum(numel(s) for s in out_local))
+
+
+__all__ = ["ALGO_FACTOR", "DUAL", "INFEASIBLE", "OPTIMIZERS", "PRECISIONS", "CostModel",
+           "OptimizerSpec", "Precision", "attention_flops", "backward_factor", "is_view",
+           "itemsize", "numel", "op_flops", "optimizer_spec", "precision_spec"]

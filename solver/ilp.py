@@ -11,11 +11,14 @@ Constraints
   sum_s x[v,s] = 1                                   (every node picks one strategy)
   sum_b y[e,a,b] = sum_{s in S_u: out_e(s) = a} x[u,s]   (transport, producer side)
   sum_a y[e,a,b] = sum_{s in S_v: in_e(s) = b}  x[v,s]   (transport, consumer side)
-  sum_v sum_s m[v,s] x[v,s] <= M                     (bytes per device; M = memory budget)
+  sum_v sum_s m[v,s] x[v,s] + sum_e sum_{a,b} m[e,a,b] y[e,a,b] <= M
+                                                     (bytes per device; M = memory budget)
 Objective (seconds; scaled to microseconds for the solver)
   min sum_v sum_s t[v,s] x[v,s] + sum_e sum_{a,b} c[e,a,b] y[e,a,b]
 where t is compute (+ gradient synchronization for parameters), c the resharding time of the
-edge (forward and backward), m parameter/gradient/optimizer bytes and kept activations.
+edge (forward and backward), m[v,s] parameter/gradient/optimizer bytes and what autograd
+keeps of v's own outputs, m[e,a,b] what it keeps of the edge's tensor as resharded from a to b
+(solver/memory.py).
 With x integral the transport constraints force y[e,a,b] = [out_e = a][in_e = b], so y may be
 continuous. An edge whose producer (or consumer) has one placement class costs a constant per
 consumer (producer) strategy and is folded into t. The loss must reach every rank: its node pays
@@ -36,6 +39,7 @@ from autopar.passes.placement import Partial, R
 from autopar.passes.strategies import SNode, Strategy, StrategyGraph
 
 from .cost import INFEASIBLE, CostModel
+from .memory import explain_infeasible
 
 SCALE = 1e6  # seconds -> microseconds inside the solver
 PENALTY = 1.0  # seconds added to a discouraged strategy (forced styles)
@@ -113,14 +117,18 @@ def plan_time(graph: StrategyGraph, cost: CostModel, choice: dict[str, int]) -> 
     return total
 
 
-def greedy(graph: StrategyGraph, cost: CostModel) -> dict[str, int]:
+def greedy(graph: StrategyGraph, cost: CostModel,
+           forced: dict[str, list[int]] | None = None) -> dict[str, int]:
     """A feasible assignment (ignoring memory): in topological order, each node takes the
-    strategy cheapest given its producers' choices. The solver's starting hint and fallback."""
+    strategy cheapest given its producers' choices (among `forced`, when given). The solver's
+    starting hint, and its answer when the time limit passes before it finds a plan."""
     t = node_costs(graph, cost)
     choice: dict[str, int] = {}
     for v in graph.nodes.values():
         best, best_cost = 0, INFEASIBLE
         for k, s in enumerate(v.strategies):
+            if forced and v.name in forced and k not in forced[v.name]:
+                continue
             c = t[v.name][k]
             for i, (u, idx) in enumerate(v.inputs):
                 src = graph.nodes[u].strategies[choice[u]].out(idx)
@@ -178,7 +186,8 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             row.append(var)
         solver.Add(sum(row) == 1)
         x[o] = row
-    for ou, ov, a_of, b_of, price in problem.edges:
+    y_terms = []  # (block, (a, b), variable): the memory constraint's edge terms
+    for i, (ou, ov, a_of, b_of, price) in enumerate(problem.edges):
         y = {}
         for (a, b), cst in price.items():
             if cst == INFEASIBLE:
@@ -187,6 +196,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             if cst:
                 objective.SetCoefficient(var, cst * SCALE)
             y[(a, b)] = var
+            y_terms.append((i, (a, b), var))
         rows: dict = defaultdict(list)
         cols: dict = defaultdict(list)
         for (a, b), var in y.items():
@@ -198,7 +208,9 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             solver.Add(sum(cols[b]) == sum(x[ov][j] for j in js))
     if memory_budget is not None:
         solver.Add(sum(x[o][k] * m for o, ms in problem.memory.items()
-                       for k, m in enumerate(ms) if m) <= memory_budget)
+                       for k, m in enumerate(ms) if m)
+                   + sum(var * problem.edge_memory[i][ab] for i, ab, var in y_terms
+                         if problem.edge_memory[i].get(ab)) <= memory_budget)
     objective.SetMinimization()
     if backend != "HIGHS":  # a feasible start (HiGHS ignores hints through this wrapper)
         hint = greedy(graph, cost)
@@ -208,9 +220,16 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, gap)
     status = solver.Solve(params)
     elapsed = time.perf_counter() - start
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE,
+                      pywraplp.Solver.INFEASIBLE, pywraplp.Solver.MODEL_INVALID):
+        # the time limit passed before any plan (HiGHS reports 99): take the greedy one
+        choice = greedy(graph, cost, forced)
+        return Solution(choice, plan_time(graph, cost, choice), elapsed, backend,
+                        "greedy (time limit)", solver.NumVariables(), solver.NumConstraints())
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         if status == pywraplp.Solver.INFEASIBLE:
-            raise NoFeasiblePlan("no plan fits the memory budget")
+            raise NoFeasiblePlan(explain_infeasible(graph, cost, memory_budget, forced)
+                                 if memory_budget is not None else "no plan exists")
         raise RuntimeError(f"the {backend} solver stopped without a plan (status {status})")
     owner_choice = {o: max(range(len(row)), key=lambda k, row=row: row[k].solution_value())
                     for o, row in x.items()}
@@ -230,6 +249,7 @@ class _OwnerProblem:
     # edge blocks (producer owner, consumer owner, placement of the edge per producer-owner
     # strategy, required placement per consumer-owner strategy, price per placement pair)
     edges: list[tuple[str, str, list, list, dict]]
+    edge_memory: list[dict]                   # per edge block: bytes per placement pair
 
 
 def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
@@ -272,21 +292,28 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
             p = cost.edge_time(graph, v, e.slot, a, b)
             return p if p == INFEASIBLE else p * count
 
+        def kept(a, b, v=v, e=e, count=count):  # bytes autograd keeps of the edge's tensor
+            return cost.edge_memory(graph, v, e.slot, a, b) * count
+
         if ou == ov:  # both ends decided together: a cost per owner strategy
             for k, (a, b) in enumerate(zip(a_of, b_of)):
                 _add(node_cost[ou], k, price(a, b))
+                memory[ou][k] += kept(a, b)
             continue
         a_cls, b_cls = _classes(a_of), _classes(b_of)
         if len(a_cls) == 1 or len(b_cls) == 1:  # one side fixed: a cost per strategy
             for a, ks in a_cls.items():
                 for b, js in b_cls.items():
                     owner, idxs = (ov, js) if len(a_cls) == 1 else (ou, ks)
-                    p = price(a, b)
+                    p, m = price(a, b), kept(a, b)
                     for k in idxs:
                         _add(node_cost[owner], k, p)
+                        memory[owner][k] += m
             continue
-        blocks.append((ou, ov, a_of, b_of, {(a, b): price(a, b) for a in a_cls for b in b_cls}))
-    return _OwnerProblem(node_cost, memory, _merge_blocks(blocks))
+        blocks.append((ou, ov, a_of, b_of, {(a, b): price(a, b) for a in a_cls for b in b_cls},
+                       {(a, b): kept(a, b) for a in a_cls for b in b_cls}))
+    merged = _merge_blocks(blocks)
+    return _OwnerProblem(node_cost, memory, [b[:5] for b in merged], [b[5] for b in merged])
 
 
 def _add(costs: list[float], k: int, p: float) -> None:
@@ -296,15 +323,16 @@ def _add(costs: list[float], k: int, p: float) -> None:
 def _merge_blocks(blocks: list) -> list:
     """Edge blocks between the same owners with the same placements become one block."""
     out, where = [], {}
-    for ou, ov, a_of, b_of, price in blocks:
+    for ou, ov, a_of, b_of, price, kept in blocks:
         key = (ou, ov, tuple(a_of), tuple(b_of))
         if key in where:
-            merged = out[where[key]][4]
+            merged, merged_kept = out[where[key]][4:6]
             for ab, p in price.items():
                 merged[ab] = INFEASIBLE if INFEASIBLE in (p, merged[ab]) else merged[ab] + p
+                merged_kept[ab] += kept[ab]
         else:
             where[key] = len(out)
-            out.append((ou, ov, a_of, b_of, dict(price)))
+            out.append((ou, ov, a_of, b_of, dict(price), dict(kept)))
     return out
 
 

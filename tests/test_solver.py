@@ -97,3 +97,12 @@ def test_plan_cost_matches_objective():
     plan = autopar.plan(model, autopar.MeshSpec((4,)), example, loss_fn=F.cross_entropy)
     assert plan.cost.step_time == pytest.approx(plan.cost.solver_objective, rel=1e-6)
     assert plan.cost.compute > 0 and plan.cost.communication_total > 0
+
+
+def test_time_limit_without_a_plan_falls_back_to_greedy():
+    """When the limit passes before the solver has any plan, the greedy plan is returned
+    (valid, priced by the same cost model) instead of an error."""
+    graph, cost = _gpt_graph((2, 2))
+    sol = solve(graph, cost, time_limit=0.001)
+    assert sol.status in ("greedy (time limit)", "optimal", "feasible")
+    assert plan_time(graph, cost, sol.choice) == pytest.approx(sol.objective, rel=1e-6)

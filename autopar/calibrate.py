@@ -1,0 +1,285 @@
+"""Calibration: measure the machine a DeviceMesh runs on, and return a hardware profile of it.
+
+    profile = autopar.calibrate(device_mesh)              # every rank calls it (collectives)
+    spec = autopar.MeshSpec(device_mesh.shape, names=..., hardware=profile)
+    plan = autopar.plan(model, spec, example_inputs, loss_fn=loss_fn)
+
+For each mesh dimension, every collective kind is timed at several message sizes on the real
+process groups (all groups of the dimension at once, as a plan runs them); on a mesh of several
+dimensions also in turn with the other dimensions' collectives, as plans issue them (a rank
+then waits on ranks of other groups as well: on CPUs whose cores the ranks share this costs
+about twice the time of each dimension alone), each dimension taking its share of a turn in
+proportion to its time alone. The link's alpha (seconds) and beta (seconds per byte) are
+fitted by least squares to
+
+    t = alpha + factor(kind, n) * bytes * beta
+
+with the cost model's algorithm factors (all-reduce 2(n-1)/n, all-gather and reduce-scatter
+(n-1)/n of the gathered size, all-to-all (n-1)/n), relative errors weighted equally: once over
+all kinds (the link's alpha and beta) and once per kind (kept in `Link.per_kind`, since e.g.
+gloo's reduce-scatter is not a ring and costs more than the ring model says). Mesh dimensions
+are then grouped the way `MeshSpec.link` maps them (inside a node or across nodes,
+with the number of ranks per host found from the host names) and one link is fitted per group.
+Per-rank compute is measured with every rank busy at once (ranks sharing a machine share its
+cores and memory bandwidth): dense matmul flop/s per dtype, elementwise memory bandwidth, and the
+fixed cost of an op (forward + backward, per op) and of a view. Every rank returns the same
+profile (measurements are gathered, each taking the slowest rank's time).
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autopar.runtime import compat
+from autopar.solver.cost import ALGO_FACTOR
+
+from .hardware import HardwareProfile, Link, get_profile
+from .mesh import MeshSpec
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+CPU_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22)
+GPU_SIZES = (2**16, 2**20, 2**24, 2**26, 2**28)
+
+__all__ = ["calibrate", "fit_link"]
+
+
+def calibrate(mesh, hardware: str | HardwareProfile | None = None, *,
+              sizes: tuple[int, ...] | None = None, kinds: tuple[str, ...] = KINDS,
+              min_time: float = 0.02, compute: bool = True, compute_time: float = 0.1,
+              busy: float = 0.0) -> HardwareProfile:
+    """Measure `mesh` (a torch DeviceMesh; a collective: call on every rank) and return
+    `hardware` (default: "cpu" for a CPU mesh, "h100" otherwise) with measured links,
+    devices per node and (with `compute`) per-rank compute figures. `sizes` are the message
+    sizes in bytes (default: 4 KiB to 4 MiB on CPUs, 64 KiB to 256 MiB on GPUs); each
+    measurement repeats its collective for at least `min_time` seconds, and each compute
+    measurement its op for `compute_time` seconds. With `busy` seconds every collective is
+    timed after that much compute, and the compute subtracted (an experiment: on this kind of
+    CPU world it added noise rather than accuracy)."""
+    device = torch.device(mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    base = get_profile(hardware or ("cpu" if device.type == "cpu" else "h100"))
+    sizes = sizes or (CPU_SIZES if device.type == "cpu" else GPU_SIZES)
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    per_node = sum(1 for h in hosts if h == hosts[0])
+
+    dims_used = [k for k in range(mesh.ndim) if mesh.size(k) > 1]
+    groups = {k: mesh.get_group(k) for k in dims_used}
+    sync = _sync(device)
+    samples: dict[int, list[tuple[str, int, float]]] = {k: [] for k in dims_used}
+    alone: dict[int, list[tuple[str, int, float]]] = {k: [] for k in dims_used}
+    for kind in kinds:
+        for nbytes in sizes:
+            fns = {k: _collective(kind, nbytes, mesh.size(k), groups[k], device)
+                   for k in dims_used}
+            times = {k: _slowest(_timed(fns[k], mesh.size(k), groups[k], device, min_time,
+                                        busy)) for k in dims_used}
+            for k in dims_used:
+                alone[k].append((kind, nbytes, times[k]))
+            if len(dims_used) > 1:
+                # Plans issue collectives on every dimension in turn; a rank then waits on
+                # ranks of other groups too, which costs more than each dimension alone.
+                def cycle(fns=fns):
+                    for fn in fns.values():
+                        fn()
+                turn = _slowest(_repeat(cycle, min_time, sync, dist.group.WORLD))
+                times = {k: turn * t / sum(times.values()) for k, t in times.items()}
+            for k in dims_used:
+                samples[k].append((kind, nbytes, times[k]))
+    spec = MeshSpec(tuple(mesh.shape), hardware=base, devices_per_node=per_node)
+    by_link: dict[str, list] = {"intra": [], "inter": []}
+    dims = {}
+    for k, pts in samples.items():
+        n = mesh.size(k)
+        alpha, bandwidth = fit_link([(kind, nbytes, t) for kind, nbytes, t in pts], n)
+        where = "intra" if spec.link(k) is base.intra_node else "inter"
+        dims[str(k)] = {"size": n, "link": where, "alpha": alpha, "bandwidth": bandwidth,
+                        "samples": [list(p) for p in pts],
+                        "alone": [list(p) for p in alone[k]]}
+        by_link[where] += [(kind, nbytes, t, n) for kind, nbytes, t in pts]
+    links = {}
+    for where, pts in by_link.items():
+        if pts:
+            alpha, bandwidth = fit_link([(kind, b, t) for kind, b, t, _ in pts],
+                                        [n for *_, n in pts])
+            per_kind = []
+            for kind in kinds:
+                mine = [(k, b, t, n) for k, b, t, n in pts if k == kind]
+                if len({b for _, b, _, _ in mine}) >= 2:
+                    per_kind.append((kind, *fit_link([(k, b, t) for k, b, t, _ in mine],
+                                                     [n for *_, n in mine])))
+            old = base.intra_node if where == "intra" else base.inter_node
+            links[where] = Link(old.name + "-measured", alpha, bandwidth, tuple(per_kind))
+    profile = base.with_links(links.get("intra"), links.get("inter"))
+    measured = {"links": dims, "devices_per_node": per_node, "world_size": len(hosts)}
+    if compute:
+        figures = _compute(device, compute_time)
+        flops = dict(base.flops)
+        for dtype in ("float32", "bfloat16"):
+            if f"matmul_{dtype}" in figures:
+                flops[dtype] = figures[f"matmul_{dtype}"]
+        profile = replace(profile, flops=flops, memory_bandwidth=figures["bandwidth"],
+                          launch=figures["launch"], view_launch=figures["view"])
+        measured["compute"] = figures
+    return replace(profile, name=base.name + "-calibrated", devices_per_node=per_node,
+                   measured=measured)
+
+
+def fit_link(points: list[tuple[str, int, float]], n: int | list[int]) -> tuple[float, float]:
+    """Least-squares (alpha seconds, bandwidth bytes/s) of t = alpha + factor * bytes / bw over
+    (kind, bytes, seconds) points of collectives over `n` ranks (one n per point, or one for
+    all), minimizing relative errors. Both are kept positive."""
+    ns = n if isinstance(n, list) else [n] * len(points)
+    a = np.array([[1.0, ALGO_FACTOR[kind](m) * nbytes] for (kind, nbytes, _), m in
+                  zip(points, ns)])
+    t = np.maximum(np.array([p[2] for p in points]), 1e-9)
+    w = 1.0 / t
+    (alpha, beta), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
+    if beta <= 0:  # latency-bound everywhere: the largest message gives the bandwidth
+        alpha = float(np.min(t))
+        beta = max(1e-15, float(np.max((t - alpha) / a[:, 1])))
+    if alpha < 0:
+        alpha = 0.0
+        beta = float(np.sum(w * w * t * a[:, 1]) / np.sum(w * w * a[:, 1] ** 2))
+    return float(alpha), float(1.0 / beta)
+
+
+# -- measurements ----------------------------------------------------------------------------------
+
+def _slowest(seconds: float) -> float:
+    """The slowest rank's value (every rank gets it)."""
+    t = torch.tensor([float(seconds)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _repeat(fn, min_time: float, sync, group=None, rounds: int = 3) -> float:
+    """Median seconds per call of `fn`, over `rounds` rounds of back-to-back calls that fill
+    `min_time`; the ranks of `group` (if any) agree on the number of calls."""
+    fn()
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    once = max(time.perf_counter() - start, 1e-7)
+    calls = torch.tensor([max(1, min(10_000, int(min_time / once)))])
+    if group is not None:
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=group)
+    calls = int(calls[0])
+    times = []
+    for _ in range(rounds):
+        if group is not None:
+            dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def _collective(kind: str, nbytes: int, n: int, group, device):
+    """A call of collective `kind` moving `nbytes` (the gathered size) over `group`."""
+    numel = max(n, nbytes // 4 // n * n)
+    full = torch.ones(numel, device=device)
+    part = torch.ones(numel // n, device=device)
+    if kind == "all_reduce":
+        return lambda: compat.all_reduce(full, group=group)
+    if kind == "all_gather":
+        return lambda: compat.all_gather_single(full, part, group=group)
+    if kind == "reduce_scatter":
+        return lambda: compat.reduce_scatter_single(part, full, group=group)
+    if kind == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: compat.all_to_all_single(out, full, group=group)
+    raise ValueError(f"unknown collective {kind!r}; choose from {KINDS}")
+
+
+def _timed(fn, n: int, group, device, min_time: float, busy: float = 0.0) -> float:
+    """Seconds of one call of collective `fn`; with `busy` > 0 each call follows that many
+    seconds of compute (what a training step does between collectives), subtracted again."""
+    sync = _sync(device)
+    if not busy:
+        return _repeat(fn, min_time, sync, group)
+    work = _busy_work(busy, device, sync)
+
+    def both():
+        work()
+        fn()
+
+    # Rounds alternate compute alone and compute + collective; the median difference is the
+    # collective's time (never below a microsecond: noise can make a difference negative).
+    diffs = [_repeat(both, min_time, sync, group, rounds=1)
+             - _repeat(work, min_time, sync, group, rounds=1) for _ in range(5)]
+    return max(1e-6, statistics.median(diffs))
+
+
+def _busy_work(seconds: float, device, sync):
+    """A matmul chain that takes about `seconds` here."""
+    a = torch.randn(128, 128, device=device)
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    sync()
+    reps = max(1, round(seconds / max((time.perf_counter() - start) / 10, 1e-9)))
+    reps = torch.tensor([reps])
+    dist.all_reduce(reps, op=dist.ReduceOp.MIN)  # every rank computes as much
+    reps = int(reps[0])
+
+    def work():
+        for _ in range(reps):
+            a @ a
+
+    return work
+
+
+def _sync(device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _compute(device, seconds: float) -> dict[str, float]:
+    """Per-rank compute figures, every rank at once (the slowest rank's)."""
+    sync = _sync(device)
+    dist.barrier()
+    out = {}
+    m = 512 if device.type == "cpu" else 8192
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(m, m, device=device, dtype=dtype)
+        b = torch.randn(m, m, device=device, dtype=dtype)
+        name = str(dtype).removeprefix("torch.")
+        per_call = _slowest(_repeat(lambda a=a, b=b: a @ b, seconds, sync))
+        out[f"matmul_{name}"] = 2 * m**3 / per_call
+    numel = 2**20 if device.type == "cpu" else 2**28
+    x = torch.randn(numel, device=device)
+    y = torch.randn(numel, device=device)
+    z = torch.empty(numel, device=device)
+    per_call = _slowest(_repeat(lambda: torch.add(x, y, out=z), seconds, sync))
+    out["bandwidth"] = 3 * 4 * numel / per_call
+    # The fixed cost of an op: a chain of tiny ops of the kinds a layer runs (a product, a
+    # norm, an activation, arithmetic), forward and backward, per op and pass.
+    w = torch.ones(4, 4, device=device, requires_grad=True)
+    b = torch.zeros(4, device=device, requires_grad=True)
+    h0 = torch.ones(2, 4, device=device, requires_grad=True)
+    layer = (lambda h: torch.nn.functional.linear(h, w, b),
+             lambda h: torch.nn.functional.layer_norm(h, (4,), b, b),
+             torch.nn.functional.gelu, lambda h: h * 0.5)
+
+    def chain():
+        h = h0
+        for _ in range(8):
+            for op in layer:
+                h = op(h)
+        h.sum().backward()
+
+    out["launch"] = _slowest(_repeat(chain, seconds, sync)) / (2 * 8 * len(layer) + 2)
+    v = torch.ones(4, 4, device=device)
+    out["view"] = _slowest(_repeat(lambda: v.view(16), seconds / 2, sync))
+    return out

@@ -1,0 +1,85 @@
+"""Pipeline plans for Llama-shaped models on simulated H100s: stage cuts, step time, bubble.
+
+    python benchmarks/pipeline_llama.py --layers 8 32 [--hidden 4096] [--precision bf16-mixed]
+
+Builds Hugging Face Llama from a Llama-3-8B-like config (hidden 4096, 32 heads, 8 KV heads,
+MLP 14336, vocabulary 128256) with the given number of layers on the meta device (no weights,
+no downloads) and plans it with autopar.plan on MeshSpec((4, 8), names=("pp", "tp")); the
+solver picks the schedule, the microbatch count and the cuts. No processes, no GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autopar  # noqa: E402
+from tests.models import hf_llama, lm_loss  # noqa: E402
+
+
+def plan_llama(layers: int, hidden: int, mlp: int, heads: int, kv_heads: int, vocab: int,
+               batch: int, seq: int, mesh: tuple[int, int], precision: str, **options):
+    with torch.device("meta"):
+        model = hf_llama(num_hidden_layers=layers, hidden_size=hidden,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         intermediate_size=mlp, vocab_size=vocab, max_position_embeddings=seq)
+    x = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    spec = autopar.MeshSpec(mesh, names=("pp", "tp"), hardware="h100")
+    start = time.perf_counter()
+    plan = autopar.plan(model, spec, (x, x), loss_fn=lm_loss, precision=precision, **options)
+    return plan, time.perf_counter() - start
+
+
+def summary(plan, seconds: float) -> str:
+    pipe = plan.pipeline
+    lines = [f"  schedule {pipe.schedule}, {pipe.microbatches} microbatches of "
+             f"{pipe.batch_size // pipe.microbatches}, {pipe.virtual_stages} stage(s) per pp "
+             f"rank, bubble {pipe.bubble:.4f}",
+             f"  predicted step {plan.cost.step_time * 1e3:.1f} ms (compute "
+             f"{plan.cost.compute * 1e3:.1f} ms, bubble + waits "
+             f"{plan.cost.communication.get('pipeline_bubble', 0) * 1e3:.1f} ms, p2p "
+             f"{plan.cost.communication.get('p2p', 0) * 1e3:.1f} ms); planned in "
+             f"{seconds:.1f} s"]
+    for k in range(pipe.num_stages):
+        names = pipe.stage_blocks(k)
+        shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+        lines.append(f"  stage {k} (pp rank {k % plan.mesh.shape[pipe.mesh_dim]}): "
+                     f"{shown} ({len(names)} blocks), "
+                     f"{pipe.stage_time[k] * 1e3:.2f} ms per microbatch")
+    for r, mem in enumerate(pipe.rank_memory):
+        lines.append(f"  pp rank {r}: {sum(mem.values()) / 2**30:.2f} GiB per device "
+                     f"(activations {mem['activations'] / 2**30:.2f} GiB)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--mlp", type=int, default=14336)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--precision", default="bf16-mixed")
+    ap.add_argument("--microbatches", type=int, default=None)
+    ap.add_argument("--schedule", default=None)
+    args = ap.parse_args()
+    for layers in args.layers:
+        plan, seconds = plan_llama(layers, args.hidden, args.mlp, args.heads, args.kv_heads,
+                                   args.vocab, args.batch, args.seq, (4, 8), args.precision,
+                                   microbatches=args.microbatches, schedule=args.schedule)
+        print(f"Llama, {layers} layers, hidden {args.hidden}, batch {args.batch} x "
+              f"{args.seq} tokens, {args.precision}, mesh pp=4 x tp=8 (H100):")
+        print(summary(plan, seconds))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""Pipeline split: layer blocks of a traced graph, and stage programs cut from a rank's program.
+
+`layer_blocks` coarsens the traced graph into the chain of blocks the stage solver cuts: the
+model's repeated layers, found from the module hierarchy torch.export records on every node
+(`nn_module_stack`): the container with the most numbered children (`h.0`, `h.1`, ... or
+`model.layers.0`, ...) gives one block per child, plus what runs before the first layer
+(embeddings) and after the last (final norm, head, loss). A model without numbered children is
+cut between the root's own submodules.
+
+`split_stages` cuts the local program a rank runs (passes.rewrite's output) into one FX
+program per pipeline stage. Every value a later stage needs is sent to the next stage and
+passed on from stage to stage until its last use (skip connections cross any number of cuts);
+values computed only from constants (positions, rotary tables, masks) are recomputed in each
+stage instead; user inputs reach every stage directly.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .placement import local_shape
+from .rewrite import _slice
+from .strategies import CONSTANT, OP, Strategy, StrategyGraph
+from .trace import TracedProgram
+
+ORIGIN = "autopar_node"  # node.meta key: the traced node a rewritten node computes
+
+
+@dataclass
+class LayerBlocks:
+    """The chain of blocks: display names, and the block of every op and constant node."""
+
+    names: list[str]
+    of_node: dict[str, int]
+
+
+def layer_blocks(program: TracedProgram, graph: StrategyGraph) -> LayerBlocks:
+    """Coarsen `graph` (the strategy graph of `program`) into a chain of layer blocks."""
+    prefix = "model." if program.has_loss else ""
+    order = [n.name for n in program.graph.nodes
+             if n.op == "call_function" and n.name in graph.nodes]
+    stacks = {}
+    for node in program.graph.nodes:
+        if node.name in graph.nodes and node.op == "call_function":
+            stack = node.meta.get("nn_module_stack") or {}
+            stacks[node.name] = [v[0] for v in stack.values()]
+    children: dict[str, list[str]] = {}
+    for name in order:
+        for path in stacks[name]:
+            parent, _, last = path.rpartition(".")
+            if last.isdigit() and path not in children.setdefault(parent, []):
+                children[parent].append(path)
+    container = max(children, key=lambda p: (len(children[p]), -p.count(".")), default=None)
+    if container is None or len(children[container]) < 2:
+        # No numbered layers: the root's own submodules, in order of first use.
+        root = prefix.rstrip(".")
+        container, layers = root, []
+        for name in order:
+            for path in stacks[name]:
+                parent = path.rpartition(".")[0] if "." in path else ""
+                if parent == root and path != root and path not in layers:
+                    layers.append(path)
+        children[container] = layers
+    layers = children[container]
+    position = {path: i for i, path in enumerate(layers)}
+    layer_of: dict[str, int | None] = {}
+    for name in order:
+        layer_of[name] = next((position[p] for p in stacks[name] if p in position), None)
+    inside = [i for i, name in enumerate(order) if layer_of[name] is not None]
+    first, last = (inside[0], inside[-1]) if inside else (len(order), -1)
+    raw: dict[str, int] = {}
+    running = 0
+    for i, name in enumerate(order):
+        if layer_of[name] is not None:
+            running = max(running, layer_of[name] + 1)
+            raw[name] = running
+        elif i < first:
+            raw[name] = 0
+        elif i > last:
+            raw[name] = len(layers) + 1
+        else:
+            raw[name] = running
+    short = [p.removeprefix(prefix) for p in layers]
+    names = [f"before {short[0]}" if short else "model", *short,
+             f"after {short[-1]}" if short else "end"]
+    # Keep blocks that compute something (op nodes); constants follow the next kept block.
+    kept = sorted({raw[n] for n in order if graph.nodes[n].kind == OP})
+    renumber = {b: i for i, b in enumerate(kept)}
+    of_node = {}
+    for name in order:
+        b = raw[name]
+        nxt = next((k for k in kept if k >= b), kept[-1] if kept else 0)
+        of_node[name] = renumber.get(nxt, 0)
+    return LayerBlocks([names[b] for b in kept] or ["model"], of_node)
+
+
+@dataclass
+class ValueMeta:
+    """Local shape, dtype and whether a gradient flows back, of a value sent between stages."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    def empty(self, device="meta") -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device,
+                           requires_grad=self.requires_grad)
+
+
+@dataclass
+class StageProgram:
+    """One stage's program: (*received, *inputs, *params, *constants) -> the values it sends
+    to the next stage (a tuple), or, for the last stage, the split program's own outputs
+    (`sent` then describes those)."""
+
+    index: int
+    module: fx.GraphModule
+    received: list[ValueMeta]
+    sent: list[ValueMeta]
+    inputs: list[str]        # user-input placeholders it reads, in call order
+    params: list[str]        # parameter placeholders
+    constants: list[str]     # buffer and constant placeholders
+
+
+class SplitError(RuntimeError):
+    """The rank's program does not follow the stage order (an internal error)."""
+
+
+def split_stages(gm: fx.GraphModule, graph: StrategyGraph, choice: dict[str, Strategy],
+                 stage_of: dict[str, int], kinds: dict[str, str], num_stages: int,
+                 comm) -> list[StageProgram]:
+    """Cut `gm` (a local program from passes.rewrite for `graph` under `choice`) into
+    `num_stages` programs. `stage_of` gives the stage of every op node of `graph`; `kinds` the
+    kind of every placeholder (param | constant | input); `comm` is the collectives object the
+    program calls, so that resharding steps can be followed."""
+    graph_copy = _ungrouped(gm.graph, comm)
+    nodes = list(graph_copy.nodes)
+    output = next(n for n in nodes if n.op == "output")
+    origin = {n: n.meta.get(ORIGIN) for n in nodes}
+    # Values any stage can compute for itself: placeholders (every stage has the user inputs,
+    # its own parameter shards and the constants), what is computed from constants alone, and
+    # the resharding of placeholders (a parameter's all-gather runs in each stage using it).
+    const: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "placeholder":
+            const.add(n)
+        elif n.op == "call_function":
+            ins = n.all_input_nodes
+            if origin[n] is not None:
+                if graph.nodes[origin[n]].kind == CONSTANT:
+                    const.add(n)
+            elif ins and all(i in const for i in ins):
+                const.add(n)
+
+    # The stage of every computed node: its traced node's; a getitem its tuple's; a resharding
+    # step the stage of the op it was emitted for (the next traced node).
+    stage: dict[fx.Node, int] = {}
+    pending: list[fx.Node] = []
+    for n in nodes:
+        if n.op != "call_function" or n in const:
+            continue
+        if origin[n] is not None:
+            stage[n] = stage_of[origin[n]]
+            for q in pending:
+                stage[q] = stage[n]
+            pending = []
+        elif n.target is operator.getitem and n.args[0] in stage:
+            stage[n] = stage[n.args[0]]
+        else:
+            pending.append(n)
+    for q in pending:
+        stage[q] = num_stages - 1
+    last_use: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n in stage or n is output:
+            s = stage.get(n, num_stages - 1)
+            for i in n.all_input_nodes:
+                if i in stage:
+                    if stage[i] > s:
+                        raise SplitError(f"{n.name} (stage {s}) uses {i.name} from the later "
+                                         f"stage {stage[i]}")
+                    last_use[i] = max(last_use.get(i, stage[i]), s)
+    live = [[v for v in nodes if v in stage and stage[v] <= k < last_use.get(v, -1)]
+            for k in range(num_stages - 1)]
+    meta = _Metas(graph, choice, origin, comm)
+
+    out = []
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    for s in range(num_stages):
+        body = [n for n in nodes if stage.get(n) == s]
+        roots = body + ([output] if s == num_stages - 1 else [])
+        sent = live[s] if s < num_stages - 1 else []
+        need: set[fx.Node] = set()
+        todo = [i for n in roots for i in n.all_input_nodes] + list(sent)
+        while todo:
+            i = todo.pop()
+            if i in need:
+                continue
+            need.add(i)
+            if i in const and i.op != "placeholder":
+                todo.extend(i.all_input_nodes)  # rebuilt in this stage
+        received = live[s - 1] if s > 0 else []
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for k, v in enumerate(received):
+            env[v] = g.placeholder(f"received_{k}")
+        used = {kind: [p for p in placeholders if p in need and kinds[p.name] == kind]
+                for kind in ("input", "param", "constant")}
+        for kind in ("input", "param", "constant"):
+            for p in used[kind]:
+                env[p] = g.placeholder(p.name)
+        for n in nodes:
+            if n in body or (n in const and n in need and n.op != "placeholder"):
+                env[n] = g.node_copy(n, env.__getitem__)
+        if s < num_stages - 1:
+            g.output(tuple(env[v] for v in sent))
+        else:
+            g.output(fx.map_arg(output.args[0], env.__getitem__))
+        module = fx.GraphModule(torch.nn.Module(), g)
+        module.recompile()
+        if s == num_stages - 1:  # what the program returns, flattened
+            sent = _flat_nodes(output.args[0])
+        out.append(StageProgram(s, module, [meta(v) for v in received],
+                                [meta(v) for v in sent], [p.name for p in used["input"]],
+                                [p.name for p in used["param"]],
+                                [p.name for p in used["constant"]]))
+    return out
+
+
+def _ungrouped(graph: fx.Graph, comm) -> fx.Graph:
+    """A copy of `graph` in which each grouped parameter all-gather (`all_gather_many`, which
+    gathers every FSDP parameter of the program at its start) is one all-gather per
+    parameter, placed before the parameter's first use, so that each stage gathers its own."""
+    out = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    result = out.graph_copy(graph, env)
+    out.output(result)
+    for n in list(out.nodes):
+        if not (n.op == "call_function" and getattr(n.target, "__self__", None) is comm
+                and getattr(n.target, "__name__", "") == "all_gather_many"):
+            continue
+        xs, dims, k = n.args
+        for item in list(n.users):
+            i = item.args[1]
+            if not item.users:
+                out.erase_node(item)
+                continue
+            first = min(item.users, key=_position(out))
+            with out.inserting_before(first):
+                single = out.call_function(comm.all_gather, (xs[i], dims[i], k))
+            item.replace_all_uses_with(single)
+            out.erase_node(item)
+        out.erase_node(n)
+    return out
+
+
+def _position(graph: fx.Graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _flat_nodes(tree) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.map_arg(tree, out.append)
+    return out
+
+
+class _Metas:
+    """Local metadata of a rewritten node, from its traced node's placement and the resharding
+    steps applied to it since."""
+
+    def __init__(self, graph, choice, origin, comm):
+        self.graph, self.choice, self.origin, self.comm = graph, choice, origin, comm
+        self.cache: dict[fx.Node, ValueMeta] = {}
+
+    def __call__(self, n: fx.Node) -> ValueMeta:
+        if n not in self.cache:
+            self.cache[n] = self._meta(n)
+        return self.cache[n]
+
+    def _meta(self, n: fx.Node) -> ValueMeta:
+        mesh_shape = self.graph.mesh_shape
+        if self.origin.get(n) is not None or (n.target is operator.getitem
+                                              and self.origin.get(n.args[0]) is not None):
+            name, idx = (self.origin[n], None) if self.origin.get(n) is not None else (
+                self.origin[n.args[0]], n.args[1])
+            v = self.graph.nodes[name]
+            if v.multi_output and idx is None:
+                raise SplitError(f"the tuple {n.name} ({v.op}) would cross a stage boundary")
+            dtype = v.out_dtypes[idx or 0]
+            shape = local_shape(v.out_shapes[idx or 0], self.choice[name].out(idx), mesh_shape)
+            return ValueMeta(tuple(shape), dtype, v.requires_grad and dtype.is_floating_point)
+        if n.op == "placeholder" and n.name in self.graph.nodes:
+            v = self.graph.nodes[n.name]
+            shape = local_shape(v.out_shapes[0], self.choice[n.name].output, mesh_shape)
+            return ValueMeta(tuple(shape), v.out_dtypes[0],
+                             v.requires_grad and v.out_dtypes[0].is_floating_point)
+        target = n.target
+        if target is _slice:
+            src = self(n.args[0])
+            shape = list(src.shape)
+            shape[n.args[1]] = n.args[3]
+            return ValueMeta(tuple(shape), src.dtype, src.requires_grad)
+        kind = getattr(target, "__name__", "")
+        if getattr(target, "__self__", None) is self.comm and kind in (
+                "all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+            src = self(n.args[0])
+            shape = list(src.shape)
+            k = n.args[-1]
+            if kind == "all_gather":
+                shape[n.args[1]] *= mesh_shape[k]
+            elif kind == "reduce_scatter":
+                shape[n.args[1]] //= mesh_shape[k]
+            elif kind == "all_to_all":
+                shape[n.args[1]] //= mesh_shape[k]
+                shape[n.args[2]] *= mesh_shape[k]
+            return ValueMeta(tuple(shape), src.dtype, src.requires_grad)
+        raise SplitError(f"cannot tell the local shape of {n.name} ({target}), which crosses "
+                         "a stage boundary")

@@ -1,0 +1,346 @@
+"""PipelineModule: runs a pipelined plan's stages on one rank with torch.distributed.pipelining.
+
+Each rank holds the stages the plan puts on its pp coordinate (one, or `virtual_stages` for
+interleaved 1F1B) as `PipelineStage`s over the pp process group; a stage's module is the FX
+program `passes.pipeline_split` cut from this rank's local program, so inside a stage the ops
+run on local shards with the plan's collectives over the other mesh dimensions, exactly as in a
+non-pipelined plan. The schedule (GPipe, 1F1B, interleaved 1F1B) splits the global batch into
+microbatches along dimension 0.
+
+Gradients: the last stage's loss is seeded like ParallelModule's (1 / the product of the mesh
+sizes where it is replicated) and divided by the number of microbatches when losses are means,
+so the accumulated gradients equal those of the whole batch. After the schedule, gradients of
+parameters stored replicated are summed over those mesh dimensions, and a parameter used by
+stages on several pp ranks (tied embeddings) has its copies' gradients summed over the pp group:
+every copy then takes the same optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.tensor import Partial, Replicate
+from torch.utils import _pytree as pytree
+
+from autopar.passes.pipeline_split import StageProgram, ValueMeta
+from autopar.passes.placement import R, local_shape, local_slices
+from autopar.solver.reshard import plan_steps
+
+from . import compat
+from .collectives import MeshComm
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved": ScheduleInterleaved1F1B}
+
+
+class SubmeshComm(MeshComm):
+    """The collectives of the mesh dimensions other than pp. A dimension of size 1 (a mesh
+    that is pp alone) needs no communication: its collectives are the identity."""
+
+    def __init__(self, groups: list, shape: tuple[int, ...]):
+        super().__init__(groups)
+        self.shape = tuple(shape)
+
+    def all_gather(self, x, dim, mesh_dim):
+        return x if self.shape[mesh_dim] == 1 else super().all_gather(x, dim, mesh_dim)
+
+    def reduce_scatter(self, x, dim, mesh_dim):
+        return x if self.shape[mesh_dim] == 1 else super().reduce_scatter(x, dim, mesh_dim)
+
+    def all_reduce(self, x, mesh_dim):
+        return x if self.shape[mesh_dim] == 1 else super().all_reduce(x, mesh_dim)
+
+    def all_to_all(self, x, split_dim, cat_dim, mesh_dim):
+        return x if self.shape[mesh_dim] == 1 else super().all_to_all(x, split_dim, cat_dim,
+                                                                      mesh_dim)
+
+
+class _StageModule(nn.Module):
+    """One stage's program with its parameters and constants: forward(*received, **inputs),
+    where `inputs` holds every user input of the microbatch by placeholder name."""
+
+    def __init__(self, program: StageProgram, params: dict[str, nn.Parameter],
+                 constants: dict[str, torch.Tensor], scalar_output: bool, sink=None):
+        super().__init__()
+        self.program = program.module
+        self.weights = nn.ParameterList([params[n] for n in program.params])
+        self._constants = [constants[n] for n in program.constants]
+        self._inputs = program.inputs
+        self._first = program.index == 0
+        self._scalar = scalar_output
+        self._sink = sink
+
+    def forward(self, *received, **inputs):
+        if self._first:  # the first stage's positional arguments are the model inputs
+            received = ()
+        out = self.program(*received, *[inputs[n] for n in self._inputs], *self.weights,
+                           *self._constants)
+        if self._sink is not None:  # pipelined inference: keep the outputs of the microbatch
+            self._sink.append([t.detach() for t in out])
+        return out[0] if self._scalar else tuple(out)
+
+
+class PipelineModule(nn.Module):
+    """The pipelined model on one rank: `step(*inputs, target)` trains, `__call__` infers."""
+
+    def __init__(self, plan, train: list[StageProgram], infer: list[StageProgram],
+                 param_names: dict[str, str], full_params: dict[str, torch.Tensor],
+                 constants: dict[str, torch.Tensor], comm: SubmeshComm, pp_group,
+                 pp_coord: int, sub_coords: tuple[int, ...], input_names: list[str],
+                 root_inputs: list[ValueMeta], out_spec, num_inputs: int, loss_placement,
+                 device: torch.device):
+        super().__init__()
+        pipe = plan.pipeline
+        self.plan = plan
+        self._pipe = pipe
+        self._comm = comm
+        self._group = pp_group
+        self._p = plan.mesh.shape[pipe.mesh_dim]
+        self._coord = pp_coord
+        self._sub_shape = comm.shape
+        self._input_names = input_names       # placeholders: model inputs, then the target
+        self._num_inputs = num_inputs
+        self._out_spec = out_spec
+        self._device = device
+        num_stages = pipe.num_stages
+        self._local = [s for s in range(num_stages) if s % self._p == pp_coord]
+        self._last_rank = (num_stages - 1) % self._p
+
+        # Parameters: this rank's shards of those its stages use (one copy when two local
+        # stages share one), sliced from the full model like ParallelModule does.
+        holders: dict[str, set[int]] = {}
+        for prog in train + infer:
+            for ph in prog.params:
+                holders.setdefault(param_names[ph], set()).add(prog.index)
+        self._full_meta = {n: (tuple(t.shape), t.dtype) for n, t in full_params.items()}
+        self._owner = {n: min(stages) % self._p for n, stages in holders.items()}
+        self._shards = nn.ParameterList()
+        self._by_name: dict[str, nn.Parameter] = {}
+        mine = sorted(n for n, stages in holders.items()
+                      if any(s % self._p == pp_coord for s in stages))
+        for name in mine:
+            full = full_params[name]
+            block = full.detach()
+            for d, (start, length) in enumerate(local_slices(full.shape, plan.parameters[name],
+                                                             self._sub_shape, sub_coords)):
+                block = block.narrow(d, start, length)
+            p = nn.Parameter(block.clone(), requires_grad=full.requires_grad)
+            self._shards.append(p)
+            self._by_name[name] = p
+        by_placeholder = {ph: self._by_name[n] for ph, n in param_names.items()
+                          if n in self._by_name}
+        # Parameters whose copies live on several pp ranks: their gradients are summed there.
+        self._shared = sorted(n for n, stages in holders.items()
+                              if len({s % self._p for s in stages}) > 1)
+        # Gradients of parameters stored replicated are summed once per step, after the last
+        # microbatch (summing after each would add partial sums).
+        self._replicated = [
+            (k, [p for n, p in self._by_name.items() if p.requires_grad
+                 and isinstance(plan.parameters[n][k], Replicate)])
+            for k in range(len(self._sub_shape)) if self._sub_shape[k] > 1]
+
+        seed = 1.0 / math.prod(self._sub_shape[k] for k, pl in enumerate(loss_placement)
+                               if isinstance(pl, Replicate))
+        self._seed = seed
+        m = pipe.microbatches
+        scale = seed / m if pipe.loss_reduction == "mean" else seed
+        self._loss_partial = [k for k, pl in enumerate(loss_placement)
+                              if isinstance(pl, Partial) and self._sub_shape[k] > 1]
+
+        def loss_fn(output, target):
+            return output * scale
+
+        root = tuple(meta.empty() for meta in root_inputs)
+        train_stages = [self._stage(train[s], by_placeholder, constants, root, True, num_stages)
+                        for s in self._local]
+        cls = SCHEDULES[pipe.schedule]
+        args = train_stages if pipe.schedule == "interleaved" else train_stages[0]
+        self._train = cls(args, m, loss_fn=loss_fn, scale_grads=False)
+        self._dummy_target = torch.zeros(m, device=device)
+        self._sink: list = []
+        infer_stages = [self._stage(infer[s], by_placeholder, constants, root, False,
+                                    num_stages) for s in self._local]
+        if pipe.schedule == "interleaved":
+            self._infer = ScheduleInterleaved1F1B(infer_stages, m)
+        else:
+            self._infer = ScheduleGPipe(infer_stages[0], m)
+        self._outputs = infer[-1].sent
+
+    def _stage(self, program: StageProgram, params, constants, root, train: bool,
+               num_stages: int) -> PipelineStage:
+        last = program.index == num_stages - 1
+        sink = self._sink if last and not train else None
+        module = _StageModule(program, params, constants, last and train, sink)
+        inputs = root if program.index == 0 else tuple(m.empty() for m in program.received)
+        outputs = tuple(m.empty() for m in program.sent)
+        if last and train:
+            outputs = outputs[0]
+        return PipelineStage(module, program.index, num_stages, self._device,
+                             input_args=inputs, output_args=outputs, group=self._group)
+
+    # -- parameters ----------------------------------------------------------------------------
+    def named_local_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's shard of every parameter its stages use, by the model's names."""
+        return dict(self._by_name)
+
+    # -- running -------------------------------------------------------------------------------
+    def _check(self, inputs: tuple) -> None:
+        if len(inputs) != self._num_inputs:
+            raise TypeError(f"expected {self._num_inputs} model input(s) as traced, got "
+                            f"{len(inputs)}")
+        batch = self._pipe.batch_size
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != batch):
+                raise ValueError(
+                    f"this pipelined plan runs batches of {batch} as {self._pipe.microbatches} "
+                    f"microbatches along dimension 0; got an input of shape {tuple(t.shape)}. "
+                    "Re-plan for the new batch.")
+
+    def step(self, *inputs) -> torch.Tensor:
+        """Forward and backward of the global batch through the pipeline schedule; returns the
+        loss (the same on every rank). Gradients of the local shards are complete on return."""
+        *inputs, target = inputs
+        self._check(tuple(inputs))
+        feeds = dict(zip(self._input_names, [*inputs, target]))
+        first = tuple(inputs) if 0 in self._local else ()
+        losses: list = []
+        self._train.step(*first, target=self._dummy_target, losses=losses,
+                         return_outputs=False, **feeds)
+        for k, params in self._replicated:
+            _sum_grads(params, self._comm.groups[k])
+        self._sync_shared()
+        loss = torch.zeros((), device=self._device)
+        if self._coord == self._last_rank:
+            loss = torch.stack([x.detach() for x in losses]).sum() / self._seed
+            for k in self._loss_partial:
+                dist.all_reduce(loss, group=self._comm.groups[k])
+        dist.broadcast(loss, src=dist.get_global_rank(self._group, self._last_rank),
+                       group=self._group)
+        return loss
+
+    def _sync_shared(self) -> None:
+        if not self._shared:
+            return
+        flats = []
+        for name in self._shared:
+            p = self._by_name.get(name)
+            if p is not None and p.grad is not None:
+                flats.append(p.grad.reshape(-1))
+            else:
+                flats.append(torch.zeros(self._local_numel(name), device=self._device,
+                                         dtype=self._full_meta[name][1]))
+        flat = torch.cat(flats)
+        compat.all_reduce(flat, group=self._group)
+        offset = 0
+        for name in self._shared:
+            n = self._local_numel(name)
+            p = self._by_name.get(name)
+            if p is not None:
+                g = flat[offset:offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+            offset += n
+
+    def _local_numel(self, name: str) -> int:
+        shape = local_shape(self._full_meta[name][0], self.plan.parameters[name],
+                            self._sub_shape)
+        return math.prod(shape)
+
+    def forward(self, *inputs):
+        """Inference on the global batch through the pipeline (no autograd): returns what the
+        original model returns, whole, on every rank (outputs are the microbatches' outputs
+        concatenated along dimension 0)."""
+        self._check(inputs)
+        feeds = dict(zip(self._input_names, inputs))
+        first = tuple(inputs) if 0 in self._local else ()
+        self._sink.clear()
+        with torch.no_grad():
+            self._infer.step(*first, return_outputs=False, **feeds)
+        m = self._pipe.microbatches
+        outs = []
+        for i, meta in enumerate(self._outputs):
+            if self._coord == self._last_rank:
+                t = torch.cat([mb[i] for mb in self._sink]) if meta.shape else self._sink[0][i]
+                t = t.contiguous()
+            else:
+                shape = (meta.shape[0] * m, *meta.shape[1:]) if meta.shape else ()
+                t = torch.empty(shape, dtype=meta.dtype, device=self._device)
+            dist.broadcast(t, src=dist.get_global_rank(self._group, self._last_rank),
+                           group=self._group)
+            outs.append(t)
+        self._sink.clear()
+        return pytree.tree_unflatten(outs, self._out_spec)
+
+    # -- whole tensors, for checking and checkpoints -------------------------------------------
+    def _whole(self, name: str, t: torch.Tensor | None) -> torch.Tensor:
+        """The whole tensor on every rank: gathered in the owner's stage, broadcast over pp."""
+        shape, dtype = self._full_meta[name]
+        storage = self.plan.parameters[name]
+        if self._coord == self._owner[name]:
+            x = t.detach() if t is not None else torch.zeros(
+                local_shape(shape, storage, self._sub_shape), dtype=dtype, device=self._device)
+            with torch.no_grad():
+                for s in plan_steps(shape, storage, tuple(R for _ in storage),
+                                    self._sub_shape):
+                    x = self._comm.all_gather(x, s.dim, s.mesh_dim)
+            x = x.contiguous()
+        else:
+            x = torch.empty(shape, dtype=dtype, device=self._device)
+        dist.broadcast(x, src=dist.get_global_rank(self._group, self._owner[name]),
+                       group=self._group)
+        return x
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter reassembled whole (a collective: call on all ranks)."""
+        return {n: self._whole(n, self._by_name.get(n)) for n in self.plan.parameters
+                if n in self._owner}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every gradient reassembled whole (a collective: call on all ranks)."""
+        out = {}
+        for n in self.plan.parameters:
+            if n in self._owner:
+                p = self._by_name.get(n)
+                out[n] = self._whole(n, p.grad if p is not None else None)
+        return out
+
+
+def _sum_grads(params: list[nn.Parameter], group, bucket_bytes: int = 25 * 2**20) -> None:
+    """Sum the gradients of `params` over `group` (missing gradients count as zeros), in
+    buckets of at most `bucket_bytes` per dtype, all in flight together."""
+    buckets: list[list[nn.Parameter]] = []
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        current = by_dtype.setdefault(p.dtype, [])
+        if current and (sum(q.numel() for q in current) + p.numel()) * p.element_size() \
+                > bucket_bytes:
+            buckets.append(current)
+            current = by_dtype[p.dtype] = []
+        current.append(p)
+    buckets += [ps for ps in by_dtype.values() if ps]
+    pending = []
+    for ps in buckets:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in ps])
+        pending.append((compat.all_reduce(flat, group=group, async_op=True), flat, ps))
+    for work, flat, ps in pending:
+        work.wait()
+        offset = 0
+        for p in ps:
+            g = flat[offset:offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+            offset += p.numel()

@@ -1,0 +1,625 @@
+"""Pipeline stages: cut a chain of layer blocks into contiguous stages, for a schedule.
+
+The model's graph is coarsened into a chain of layer blocks (passes.pipeline_split); each block
+is priced on the submesh a stage runs on (the mesh without "pp") by solving the intra-op ILP for
+it once (identical blocks, e.g. transformer layers, share one solve). Then, for each candidate
+schedule, microbatch count m and number of virtual stages v, an ILP cuts the chain:
+
+Sets and data (S = p v stages; stage s runs on pp rank s mod p)
+  b = 0..N-1   blocks in graph order
+  t_b          seconds per microbatch of block b, forward + backward (compute and resharding)
+  c_b          seconds per microbatch to move what crosses a cut after block b to the next
+               stage (activations forward, their gradients backward)
+  g_b          seconds per step of gradient synchronization of block b's parameters
+  w_b          bytes per device of block b's parameters, gradients and optimizer state
+  a_b          bytes per device of the activations block b keeps for backward, per microbatch
+  k_r          microbatches in flight on pp rank r, per local stage (see `in_flight`)
+  M            bytes per device
+Per microbatch of size mb (the graph was priced at batch tb), sigma = mb / tb and
+  t_b = f_b + (t_b(tb) - f_b) sigma,   c_b likewise,   a_b = a_b(tb) sigma
+where f_b is the part that does not shrink with the microbatch (kernel launch floors, collective
+latencies).
+Variables
+  x[b,s] in {0,1}   block b runs in stage s
+  y[b,s] in [0,1]   block b is the last block of stage s < S-1 (a cut follows it)
+  T, C, G >= 0      the busiest pp rank's time per microbatch, the slowest stage's, the
+                    longest gradient sync
+Constraints
+  sum_s x[b,s] = 1
+  z_b = sum_s s x[b,s];  z_0 = 0;  z_{N-1} = S-1;  0 <= z_{b+1} - z_b <= 1
+                                               (contiguous stages, in order, none empty)
+  y[b,s] >= x[b,s] - x[b+1,s]
+  T_s = sum_b t_b x[b,s] + c_b y[b,s]          (seconds per microbatch of stage s)
+  T  >= sum_{s on r} T_s                       for every pp rank r
+  C  >= T_s                                    for every stage s
+  G  >= sum_{s on r} sum_b g_b x[b,s]
+  sum_{s on r} sum_b (w_b + k_r a_b) x[b,s] <= M
+Objective (seconds per step)
+  v = 1:            min sum_s T_s + (m - 1) C + G
+  v > 1, m >= p:    min m T + (p - 1) C + G
+  v > 1, m < p:     min sum_s T_s + (m - 1) C + G
+With one stage per rank (C = T): the first microbatch crosses every stage, the others follow at
+the pace of the slowest (plus the gradient sync after the last). With v virtual stages per rank
+and at least p microbatches, every rank works through its m v chunk-microbatches and the fill
+and drain cost p - 1 chunks: balanced chunks of c seconds take (m v + p - 1) c, a bubble
+fraction of (p - 1) / (v m). With fewer microbatches than ranks each chunk waits for its input
+to come round the ring: (p v + m - 1) c.
+
+The linear constraints above are written x[b,s] -> x[b-1,s] or x[b-1,s-1] for contiguity (the
+"staircase" form), with the redundant bounds p T >= sum_s T_s, S C >= sum_s T_s and C >= max t_b
+to tighten the relaxation. Solver: CP-SAT, single-threaded under a deterministic time limit, so
+the same problem always gets the same cut. Measured on a 32-layer Llama chain (34 blocks, 4 pp
+ranks): HiGHS through pywraplp found no cut within 20 s for 2 to 4 virtual stages; CP-SAT
+finds its best known cut within a second, though proving optimality among many nearly
+identical blocks can take far longer (the solution records whether it was proven).
+
+Every (schedule, m, v) candidate gets its own solve, in order of a lower bound (perfectly
+balanced stages, free sends); candidates whose bound cannot beat the best found are skipped.
+After the cut, planner.solve_pipeline_plan solves each stage's intra-op ILP on the submesh
+(`subgraph`, `solve_subgraph`: identical stages once) and prices the result (`price`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from ortools.sat.python import cp_model
+
+from autopar.passes.placement import local_shape
+from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, Strategy, StrategyGraph
+
+from .cost import CostModel, is_view
+from .ilp import loss_sink_time, solve
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+TICK = 1e-8  # seconds per integer time unit inside the stage solver
+TIE = 1000  # weight of the objective against the balancing tie-break (see solve_stages)
+
+
+class StageError(ValueError):
+    """The model cannot be cut into the stages asked for (the message says what to change)."""
+
+
+# -- schedules ---------------------------------------------------------------------------------
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Idle time of a pipeline step relative to its useful work, for balanced stages:
+    (p - 1) / m for GPipe and 1F1B, divided by the virtual stages per rank for interleaved
+    1F1B (which with fewer microbatches than ranks idles more: (v (p - m) + m - 1) / (v m))."""
+    if schedule != "interleaved":
+        return (p - 1) / m
+    if m < p:
+        return (v * (p - m) + m - 1) / (v * m)
+    return (p - 1) / (m * v)
+
+
+def _weights(p: int, m: int, v: int) -> tuple[int, int, int]:
+    """Weights of (sum of stage times, busiest rank, slowest stage) in the objective."""
+    if v > 1 and m >= p:
+        return 0, m, p - 1
+    return 1, 0, m - 1
+
+
+def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> float:
+    """Microbatches whose activations pp rank `rank` holds at its peak, per local stage.
+
+    GPipe runs every forward before any backward: m. 1F1B starts backward once the pipe is
+    full: min(m, p - rank). Interleaved 1F1B (torch.distributed.pipelining's) warms up
+    (v - 1) x (microbatches per round) + 2 (p - 1 - rank) chunk forwards, capped at m v, then
+    holds one more; spread over the rank's v chunks.
+    """
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, p - rank))
+    per_round = m // max(1, m // p)
+    chunks = min(m * v, (v - 1) * per_round + 2 * (p - 1 - rank) + 1)
+    return chunks / v
+
+
+def schedule_problem(schedule: str, p: int, m: int, v: int) -> str | None:
+    """Why `schedule` cannot run m microbatches on p ranks with v stages each (None if it can)."""
+    if schedule not in SCHEDULES:
+        return f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}"
+    if m < 1:
+        return "the number of microbatches must be at least 1"
+    if schedule == "interleaved":
+        if v < 2:
+            return "interleaved 1F1B needs at least 2 virtual stages per pp rank"
+        rounds = max(1, m // p)
+        if m % rounds:
+            return (f"interleaved 1F1B on {p} pp ranks runs microbatches in rounds of "
+                    f"{m // rounds}; {m} microbatches is not a multiple")
+    elif v != 1:
+        return f"{schedule} runs one stage per pp rank (virtual_stages=1)"
+    if schedule == "1f1b" and m < p:
+        return f"1F1B needs at least as many microbatches as pp ranks ({m} < {p})"
+    return None
+
+
+# -- blocks ------------------------------------------------------------------------------------
+
+@dataclass
+class Block:
+    """One layer block, priced at the traced batch (see the module docstring)."""
+
+    name: str
+    time: float              # t_b at the traced batch (s per microbatch, fwd + bwd)
+    time_fixed: float        # f_b: the part that does not shrink with the microbatch
+    grad_sync: float         # g_b (s per step)
+    param_bytes: float       # w_b
+    act_bytes: float         # a_b at the traced batch
+    cut_time: float = 0.0    # c_b at the traced batch (0 for the last block)
+    cut_fixed: float = 0.0
+
+
+@dataclass
+class StageSolution:
+    """A cut of the chain for one schedule and microbatch count."""
+
+    schedule: str
+    microbatches: int
+    virtual_stages: int
+    cuts: list[int]                # first block of stages 1..S-1
+    objective: float               # predicted seconds per step
+    stage_time: list[float]        # seconds per microbatch
+    rank_memory: list[float]       # bytes per device
+    in_flight: list[float]         # per stage
+    solve_time: float = 0.0
+    optimal: bool = True           # proven optimal (else the best found in the time limit)
+    candidates: list[tuple[str, int, int, float]] = field(default_factory=list)
+
+    @property
+    def bubble(self) -> float:
+        return bubble_fraction(self.schedule, len(self.rank_memory), self.microbatches,
+                               self.virtual_stages)
+
+
+def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sigma: float,
+                 memory_budget: float | None, time_limit: float = 1.0
+                 ) -> StageSolution | None:
+    """The ILP of the module docstring, on CP-SAT; None when no cut fits the memory budget.
+
+    Times are integers of TICK seconds for CP-SAT; the objective is scaled by TIE, plus the
+    busiest rank's time as a tie-break toward balanced ranks (with one microbatch any cut is
+    as fast). `time_limit` is CP-SAT's deterministic time, so
+    the same problem always gets the same answer; the result says whether it is proven
+    optimal."""
+    n, num_stages = len(blocks), p * v
+    if num_stages > n:
+        raise StageError(too_few_blocks(blocks, num_stages, p, v))
+    start = time.perf_counter()
+    t = [b.time_fixed + (b.time - b.time_fixed) * sigma for b in blocks]
+    c = [b.cut_fixed + (b.cut_time - b.cut_fixed) * sigma for b in blocks]
+    a = [b.act_bytes * sigma for b in blocks]
+    k = [in_flight(schedule, p, m, v, r) for r in range(p)]
+    ti, ci, gi = ([round(x / TICK) for x in xs] for xs in (t, c, [b.grad_sync for b in blocks]))
+    model = cp_model.CpModel()
+    # Block b can only be in stages s with s <= b and S - 1 - s <= n - 1 - b.
+    span = {b: range(max(0, num_stages - n + b), min(b, num_stages - 1) + 1) for b in range(n)}
+    x = {(b, s): model.NewBoolVar(f"x{b},{s}") for b in range(n) for s in span[b]}
+    for b in range(n):
+        model.AddExactlyOne(x[b, s] for s in span[b])
+    model.Add(x[0, 0] == 1)
+    model.Add(x[n - 1, num_stages - 1] == 1)
+    for b in range(1, n):  # contiguous, in order: block b follows b - 1 or starts the next stage
+        for s in span[b]:
+            model.AddBoolOr([x[b - 1, q] for q in (s, s - 1) if (b - 1, q) in x]
+                            + [x[b, s].Not()])
+    y = {}
+    for b in range(n - 1):
+        for s in span[b]:
+            if s < num_stages - 1 and ci[b]:
+                y[b, s] = model.NewBoolVar(f"y{b},{s}")
+                model.AddBoolOr([x[b, s].Not(), y[b, s]]
+                                + ([x[b + 1, s]] if (b + 1, s) in x else []))
+    horizon = sum(ti) + sum(ci) + 1
+    stage_t = [sum(ti[b] * x[b, s] for b in range(n) if (b, s) in x)
+               + sum(ci[b] * y[b, s] for b in range(n - 1) if (b, s) in y)
+               for s in range(num_stages)]
+    busiest = model.NewIntVar(0, horizon, "T")
+    slowest = model.NewIntVar(0, horizon, "C")
+    sync = model.NewIntVar(0, sum(gi) + 1, "G")
+    for s in range(num_stages):
+        model.Add(slowest >= stage_t[s])
+    # Redundant, for a tighter relaxation: the busiest rank does at least its share, the
+    # slowest stage at least the average and at least the longest block.
+    model.Add(p * busiest >= sum(stage_t))
+    model.Add(num_stages * slowest >= sum(stage_t))
+    model.Add(slowest >= max(ti))
+    for r in range(p):
+        mine = range(r, num_stages, p)
+        model.Add(busiest >= sum(stage_t[s] for s in mine))
+        model.Add(sync >= sum(gi[b] * x[b, s] for s in mine for b in range(n) if (b, s) in x))
+        if memory_budget is not None:
+            model.Add(sum(round(blocks[b].param_bytes + k[r] * a[b]) * x[b, s] for s in mine
+                          for b in range(n) if (b, s) in x) <= int(memory_budget))
+    ws, wt, wc = _weights(p, m, v)
+    model.Minimize(TIE * (ws * sum(stage_t) + wt * busiest + wc * slowest + sync) + busiest)
+    for (b, s), var in x.items():  # start from the cut that balances block times
+        model.AddHint(var, s == _balanced(t, num_stages)[b])
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_deterministic_time = time_limit
+    status = solver.Solve(model)
+    if status == cp_model.INFEASIBLE:
+        return None
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise StageError(f"the stage solver found no cut of {n} blocks into {num_stages} "
+                         f"stages within its time limit ({solver.StatusName(status)})")
+    stage = [next(s for s in span[b] if solver.Value(x[b, s])) for b in range(n)]
+    cuts = [b for b in range(1, n) if stage[b] != stage[b - 1]]
+    times = [sum(t[b] for b in range(n) if stage[b] == s)
+             + sum(c[b] for b in range(n - 1) if stage[b] == s and stage[b + 1] != s)
+             for s in range(num_stages)]
+    syncs = [sum(blocks[b].grad_sync for b in range(n) if stage[b] == s)
+             for s in range(num_stages)]
+    memory = [sum(blocks[b].param_bytes + k[r] * a[b] for b in range(n) if stage[b] % p == r)
+              for r in range(p)]
+    return StageSolution(schedule, m, v, cuts, step_time(times, syncs, p, m, v), times,
+                         memory, [k[s % p] for s in range(num_stages)],
+                         time.perf_counter() - start, status == cp_model.OPTIMAL)
+
+
+def _balanced(t: list[float], num_stages: int) -> list[int]:
+    """The stage of each block when cuts fall nearest equal shares of the total time."""
+    n, total = len(t), sum(t) or 1.0
+    stage, acc = [], 0.0
+    for b, tb in enumerate(t):
+        s = min(int((acc + tb / 2) / total * num_stages), num_stages - 1)
+        s = max(s, num_stages - n + b, stage[-1] if stage else 0)  # room for the stages left
+        s = min(s, b, (stage[-1] + 1) if stage else 0)
+        stage.append(s)
+        acc += tb
+    return stage
+
+
+def step_time(stage_time: list[float], grad_sync: list[float], p: int, m: int, v: int) -> float:
+    """The objective of the module docstring for given per-stage times (s per step)."""
+    ranks = [sum(stage_time[r::p]) for r in range(p)]
+    syncs = [sum(grad_sync[r::p]) for r in range(p)]
+    ws, wt, wc = _weights(p, m, v)
+    return ws * sum(stage_time) + wt * max(ranks) + wc * max(stage_time) + max(syncs)
+
+
+def too_few_blocks(blocks: list[Block], num_stages: int, p: int, v: int) -> str:
+    names = ", ".join(b.name for b in blocks)
+    extra = f" ({p} pp ranks x {v} virtual stages)" if v > 1 else ""
+    return (f"cannot cut the model into {num_stages} pipeline stages{extra}: its graph has "
+            f"only {len(blocks)} layer blocks ({names}), and autopar cuts only between blocks. "
+            f"Use a pp mesh dimension of at most {len(blocks)}"
+            + (", fewer virtual stages" if v > 1 else "") + ", or a deeper model.")
+
+
+def choose(blocks: list[Block], p: int, batch: int, traced_batch: int,
+           memory_budget: float | None, *, microbatches: int | None = None,
+           schedule: str | tuple[str, ...] | None = None, virtual_stages: int | None = None,
+           time_limit: float = 1.0, max_microbatches: int = 64,
+           max_virtual_stages: int = 4) -> StageSolution:
+    """The best (schedule, microbatch count, virtual stages, cuts) over the candidates the
+    options leave open: every schedule (or those named); microbatch counts that divide the
+    batch (up to `max_microbatches`); 2 .. `max_virtual_stages` virtual stages for
+    interleaved. Candidates are solved in order of a lower bound on their step time (perfectly
+    balanced stages, free sends) and skipped once the bound cannot beat the best found. Ties go
+    to less memory, then to the earlier candidate (1F1B before GPipe before interleaved, fewer
+    microbatches)."""
+    if p * (virtual_stages or 1) > len(blocks):
+        raise StageError(too_few_blocks(blocks, p * (virtual_stages or 1), p,
+                                        virtual_stages or 1))
+    if microbatches is not None and (microbatches < 1 or batch % microbatches):
+        raise StageError(f"the batch of {batch} does not split into {microbatches} "
+                         f"microbatches; choose a divisor of {batch} ("
+                         + ", ".join(str(d) for d in divisors(batch, batch)) + ")")
+    ms = [microbatches] if microbatches else divisors(batch, max_microbatches)
+    schedules = [schedule] if isinstance(schedule, str) else list(schedule or SCHEDULES)
+    candidates: list[tuple[str, int, int]] = []
+    reasons = []
+    for sched in schedules:
+        if sched == "interleaved":
+            top = min(len(blocks) // p, max_virtual_stages)
+            vs = [virtual_stages] if virtual_stages else list(range(2, top + 1))
+        else:
+            vs = [virtual_stages or 1]
+        for v in vs:
+            for m in ms:
+                why = schedule_problem(sched, p, m, v)
+                if why is None and p * v <= len(blocks):
+                    candidates.append((sched, m, v))
+                elif why:
+                    reasons.append(why)
+                elif schedule == "interleaved":
+                    reasons.append(too_few_blocks(blocks, p * v, p, v))
+    if not candidates:
+        raise StageError("no pipeline schedule fits the options: " + "; ".join(
+            dict.fromkeys(reasons)))
+
+    def bound(cand):
+        sched, m, v = cand
+        sigma = (batch / m) / traced_batch
+        times = [b.time_fixed + (b.time - b.time_fixed) * sigma for b in blocks]
+        work = sum(times)
+        ws, wt, wc = _weights(p, m, v)
+        return ws * work + wt * work / p + wc * max(work / (p * v), max(times))
+
+    order = sorted(range(len(candidates)), key=lambda i: (bound(candidates[i]), i))
+    best: StageSolution | None = None
+    best_i = -1
+    tried = []
+    start = time.perf_counter()
+    for i in order:
+        sched, m, v = candidates[i]
+        if best is not None and bound(candidates[i]) > best.objective * (1 + 1e-9):
+            break
+        sol = solve_stages(blocks, p, sched, m, v, (batch / m) / traced_batch, memory_budget,
+                           time_limit)
+        if sol is None:
+            continue
+        tried.append((sched, m, v, sol.objective))
+        better = best is None or sol.objective < best.objective * (1 - 1e-9)
+        tie = best is not None and sol.objective <= best.objective * (1 + 1e-9)
+        if better or (tie and (max(sol.rank_memory), i) < (max(best.rank_memory), best_i)):
+            best, best_i = sol, i
+    if best is None:
+        raise StageError(no_fit(blocks, memory_budget, p))
+    best.candidates = tried
+    best.solve_time = time.perf_counter() - start
+    return best
+
+
+def no_fit(blocks: list[Block], memory_budget: float | None, p: int) -> str:
+    big = max(blocks, key=lambda b: b.param_bytes + b.act_bytes)
+    total = sum(b.param_bytes for b in blocks)
+    return (f"no cut of the model's {len(blocks)} layer blocks into stages on {p} pp ranks "
+            f"fits {memory_budget / 2**30:.2f} GiB per device (parameters, gradients and "
+            f"optimizer state alone are {total / 2**30:.2f} GiB; the largest block, {big.name}, "
+            f"needs {(big.param_bytes + big.act_bytes) / 2**30:.2f} GiB). The graph cannot "
+            "be cut inside a block: use more pp ranks, shard more on the other mesh "
+            "dimensions, or a smaller batch.")
+
+
+def divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+# -- pricing blocks and stages on the submesh --------------------------------------------------
+
+def subgraph(graph: StrategyGraph, members: list[str], fixed: dict[str, Strategy]
+             ) -> StrategyGraph:
+    """The strategy graph of one block or stage: its op nodes (`members`), the constants they
+    use (recomputed in each stage), the parameters they use, and every other producer as a
+    boundary input of no cost. Producers in `fixed` (decided by an earlier stage) keep that one
+    strategy; other boundary inputs may take any placement their producer could give."""
+    member = set(members)
+    need: set[str] = set()
+    todo = list(members)
+    while todo:
+        name = todo.pop()
+        for u, _ in graph.nodes[name].inputs:
+            if u not in need and u not in member:
+                need.add(u)
+                if graph.nodes[u].kind == CONSTANT:
+                    todo.append(u)  # computed from constants: rebuilt in this stage
+    nodes = {}
+    for name, v in graph.nodes.items():
+        if name in member:
+            nodes[name] = v
+        elif name in need:
+            if v.kind in (CONSTANT, PARAM):
+                if name in fixed:
+                    v = dataclasses.replace(v, strategies=[fixed[name]])
+                nodes[name] = v
+            else:
+                outs = [fixed[name]] if name in fixed else list(
+                    {s.output: s for s in v.strategies}.values())
+                nodes[name] = dataclasses.replace(
+                    v, kind=INPUT, op="", inputs=[], in_shapes=[], call=None, source="",
+                    strategies=[Strategy((), s.output) for s in outs])
+    # Boundary inputs first: they have no producers here.
+    order = [n for n in nodes if nodes[n].kind == INPUT] + \
+        [n for n in nodes if nodes[n].kind != INPUT]
+    loss = graph.loss if graph.loss and graph.loss[0] in member else None
+    return StrategyGraph({n: nodes[n] for n in order}, graph.mesh_shape, loss, [])
+
+
+def signature(sub: StrategyGraph) -> tuple:
+    """Structure of a subgraph without node names: equal signatures, interchangeable plans."""
+    index = {name: i for i, name in enumerate(sub.nodes)}
+    out = []
+    for v in sub.nodes.values():
+        call = (repr(v.call.args), repr(v.call.kwargs)) if v.call is not None else None
+        out.append((v.kind, v.op, tuple(v.in_shapes), tuple(v.out_shapes),
+                    tuple(map(str, v.out_dtypes)), v.requires_grad,
+                    tuple((index[u], i) for u, i in v.inputs), tuple(v.strategies), call,
+                    sub.loss is not None and sub.loss[0] == v.name))
+    return tuple(out)
+
+
+@dataclass
+class Priced:
+    """What a subgraph costs under one choice of strategies (see the module docstring)."""
+
+    time: float = 0.0          # seconds per microbatch, forward + backward
+    time_fixed: float = 0.0
+    compute: float = 0.0
+    communication: dict[str, float] = field(default_factory=dict)
+    grad_sync: float = 0.0
+    memory: dict[str, float] = field(default_factory=lambda: {
+        "parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0})
+
+
+def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> Priced:
+    """Per-microbatch time (with its fixed part), gradient sync and memory of `sub`, priced as
+    the intra-op ILP prices them."""
+    out = Priced()
+    launch = cost.hw.launch
+    for v in sub.nodes.values():
+        s = choice[v.name]
+        if v.kind == PARAM:
+            out.grad_sync += cost.grad_sync_time(v, s.output)
+            for key, b in cost.param_memory_split(v, s.output).items():
+                out.memory[key] = out.memory.get(key, 0.0) + b
+            continue
+        if v.kind == INPUT:
+            continue
+        ct = cost.compute_time(v, s)
+        out.compute += ct
+        if not is_view(v):
+            grad = v.requires_grad and v.kind != CONSTANT
+            out.time_fixed += launch * (2 if grad else 1)
+        out.memory["activations"] += cost.activation_memory(v, s)
+        for slot, (u, idx) in enumerate(v.inputs):
+            producer = sub.nodes[u]
+            src, dst = choice[u].out(idx), s.inputs[slot]
+            out.memory["activations"] += cost.edge_memory(sub, v, slot, src, dst)
+            dtype = producer.out_dtypes[idx or 0]
+            grad = producer.requires_grad and dtype.is_floating_point
+            for step in cost.reshard_steps(v.in_shapes[slot], src, dst):
+                if step.kind == "slice":
+                    continue
+                t = cost.collective_time(step.kind, step.mesh_dim, cost.step_bytes(step, dtype))
+                out.communication[step.kind] = out.communication.get(step.kind, 0.0) + \
+                    t * (2 if grad else 1)
+                out.time_fixed += cost.collective_time(step.kind, step.mesh_dim, 0) * (
+                    2 if grad else 1)
+    if sub.loss is not None:
+        name, idx = sub.loss
+        t = loss_sink_time(cost, sub.nodes[name], choice[name].out(idx), idx)
+        out.communication["all_gather"] = out.communication.get("all_gather", 0.0) + t
+    out.time = out.compute + sum(out.communication.values())
+    return out
+
+
+def solve_subgraph(sub: StrategyGraph, cost: CostModel, cache: dict, *,
+                   memory_budget: float | None = None, backend: str = "HIGHS",
+                   time_limit: float = 60.0, forced=None, discouraged=None, draw=None,
+                   program=None) -> dict[str, Strategy]:
+    """The intra-op ILP on one subgraph; identical subgraphs (by `signature`) are solved once
+    and share the solution position by position. `draw(sub)` replaces the ILP (random plans).
+    With the traced `program` (its module hierarchy), the subgraph's repeated layers share
+    their decisions (passes.cluster), as in a whole-model solve."""
+    key = (signature(sub), memory_budget, repr(forced), repr(discouraged))
+    if key not in cache:
+        if draw is not None:
+            index = draw(sub)
+        else:
+            index = solve(sub, cost, memory_budget=memory_budget, backend=backend,
+                          time_limit=time_limit, forced=forced, discouraged=discouraged,
+                          **_clustering(sub, program)).choice
+        cache[key] = [index[n] for n in sub.nodes]
+    return {n: v.strategies[k] for (n, v), k in zip(sub.nodes.items(), cache[key])}
+
+
+def _clustering(sub: StrategyGraph, program) -> dict:
+    """solve()'s `clustering` for a subgraph: layers folded over the subgraph's own op nodes
+    (boundary inputs, copies of other stages' nodes, must not count as layer members)."""
+    if program is None:
+        return {}
+    try:
+        from autopar.passes.cluster import cluster
+    except ImportError:  # an older solver without clustering
+        return {}
+    own = [n for n in program.graph.nodes if n.name in sub.nodes
+           and sub.nodes[n.name].kind != INPUT]
+    view = SimpleNamespace(graph=SimpleNamespace(nodes=own))
+    return {"clustering": cluster(sub, view)}
+
+
+def crossing(graph: StrategyGraph, stage_of: dict[str, int]
+             ) -> dict[int, list[tuple[str, int | None]]]:
+    """For each cut after unit u (a block or a stage), the values that cross it: outputs of
+    ops in units <= u used by ops in later units, or returned by the model (constants are
+    rebuilt where needed, user inputs reach every stage directly)."""
+    last = max(stage_of.values())
+    use: dict[tuple[str, int | None], int] = {}
+    for v in graph.nodes.values():
+        if v.name not in stage_of:
+            continue
+        for u, idx in v.inputs:
+            if graph.nodes[u].kind == OP and u in stage_of:
+                use[(u, idx)] = max(use.get((u, idx), -1), stage_of[v.name])
+    for ref in list(graph.outputs) + ([graph.loss] if graph.loss else []):
+        if ref is not None and graph.nodes[ref[0]].kind == OP:
+            use[ref] = last
+    out: dict[int, list] = {k: [] for k in range(last)}
+    for (u, idx), end in use.items():
+        for k in range(stage_of[u], end):
+            out[k].append((u, idx))
+    return out
+
+
+def transfer_time(graph: StrategyGraph, cost: CostModel, values, choice: dict[str, Strategy],
+                  link) -> tuple[float, float]:
+    """Seconds (total, fixed part) to send `values` to the next stage and their gradients
+    back: one message each way per tensor, latency + bytes / bandwidth."""
+    total = fixed = 0.0
+    shape = cost.shape
+    for u, idx in values:
+        v = graph.nodes[u]
+        dtype = v.out_dtypes[idx or 0]
+        nbytes = cost.nbytes(local_shape(v.out_shapes[idx or 0], choice[u].out(idx), shape),
+                             dtype)
+        ways = 2 if v.requires_grad and dtype.is_floating_point else 1
+        total += ways * (link.alpha + nbytes / link.bandwidth)
+        fixed += ways * link.alpha
+    return total, fixed
+
+
+def price_blocks(graph: StrategyGraph, cost: CostModel, block_of: dict[str, int],
+                 names: list[str], link, *, backend: str = "HIGHS", time_limit: float = 60.0
+                 ) -> list[Block]:
+    """Price every block on the submesh (intra-op ILP per distinct block, no memory limit, its
+    boundary inputs free) and every cut between blocks on the pp `link`."""
+    cache: dict = {}
+    members: dict[int, list[str]] = {b: [] for b in range(len(names))}
+    for name, b in block_of.items():
+        members[b].append(name)
+    choice: dict[str, Strategy] = {}
+    blocks = []
+    for b, name in enumerate(names):
+        sub = subgraph(graph, members[b], {})
+        picked = solve_subgraph(sub, cost, cache, backend=backend, time_limit=time_limit)
+        choice.update({n: s for n, s in picked.items() if n in members[b]
+                       or graph.nodes[n].kind == PARAM})
+        p = price(sub, cost, picked)
+        blocks.append(Block(name, p.time, p.time_fixed, p.grad_sync,
+                            sum(v for k, v in p.memory.items() if k != "activations"),
+                            p.memory["activations"]))
+    for b, values in crossing(graph, {n: block_of[n] for n in block_of
+                                      if graph.nodes[n].kind == OP}).items():
+        blocks[b].cut_time, blocks[b].cut_fixed = transfer_time(graph, cost, values, choice,
+                                                                link)
+    return blocks
+
+
+def activation_scaled(cost: CostModel, factor: float) -> CostModel:
+    """A copy of `cost` whose kept activations count `factor` microbatches in flight (what the
+    intra-op ILP's memory constraint must see for one pipeline stage)."""
+    scaled = copy.copy(cost)
+    scaled.__class__ = _InFlight
+    scaled.factor = factor
+    return scaled
+
+
+class _InFlight(CostModel):
+    factor = 1.0
+
+    def activation_memory(self, node, strategy) -> float:
+        return self.factor * super().activation_memory(node, strategy)
+
+    def edge_memory(self, graph, consumer, slot, src, dst) -> float:
+        return self.factor * super().edge_memory(graph, consumer, slot, src, dst)
+
+
+def stage_budget(memory_budget: float, v: int) -> float:
+    """Bytes per device one of a rank's v stages may use."""
+    return memory_budget / v
+
+
+__all__ = ["SCHEDULES", "Block", "Priced", "StageError", "StageSolution", "activation_scaled",
+           "bubble_fraction", "choose", "crossing", "divisors", "in_flight", "price",
+           "price_blocks", "schedule_problem", "signature", "solve_stages", "solve_subgraph",
+           "stage_budget", "step_time", "subgraph", "transfer_time"]

@@ -1,0 +1,169 @@
+"""Functions the gloo ranks run for the cost-model tests and benchmarks (module level, so ranks
+import them by name): measured memory per rank, step times, calibration."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from tests import models
+from tests.rank_tasks import build as build_named
+from tests.rank_tasks import mesh_for
+
+
+def build(name):
+    """A model, its loss and a batch, identical on every rank: the equivalence tests' models
+    (tests.rank_tasks.build), or ("gpt", config dict with "batch") for a GPT of any size."""
+    if isinstance(name, (tuple, list)) and name[0] == "gpt":
+        cfg = dict(name[1])
+        batch = cfg.pop("batch")
+        torch.manual_seed(0)
+        model = models.GPT(models.GPTConfig(**cfg))
+        x = torch.randint(0, cfg["vocab_size"], (batch, cfg["block_size"]))
+        return model, models.lm_loss, (x, torch.roll(x, -1, 1))
+    return build_named(name)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _optimizer_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state dict (AdamW: exp_avg, exp_avg_sq, step)."""
+    return sum(_bytes(v) for state in opt.state_dict()["state"].values()
+               for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class SavedTensors:
+    """Counts the distinct storages autograd saves for backward (parameters' own storages
+    excluded: they are counted as parameters)."""
+
+    def __init__(self, held):
+        self.exclude = {t.untyped_storage().data_ptr() for t in held}
+        self.storages: dict[int, int] = {}
+        self.shapes: dict[int, list] = {}
+
+    def pack(self, t: torch.Tensor):
+        s = t.untyped_storage()
+        if s.data_ptr() not in self.exclude:
+            self.storages[s.data_ptr()] = s.nbytes()
+            self.shapes.setdefault(s.data_ptr(), []).append((tuple(t.shape), str(t.dtype)))
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def measured_memory(name, mesh_shape, force, optimizer: str = "adamw") -> dict:
+    """After one training step of the planned model, the bytes this rank holds: parameters,
+    gradients and optimizer state summed over its tensors, and the activations autograd saved
+    in the step. Returns them with the plan's prediction (rank 0's plan)."""
+    model, loss_fn, (x, y) = build(name)
+    mesh = mesh_for(mesh_shape)
+    pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y), force=force)
+    params = list(pm.parameters())
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-3)
+    elif optimizer == "sgd-momentum":
+        opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    else:
+        raise ValueError(optimizer)
+    saved = SavedTensors(params + [x, y])  # parameters and user inputs are held anyway
+    opt.zero_grad()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        pm.step(x, y)
+    opt.step()
+    got = {"parameters": sum(_bytes(p) for p in params),
+           "gradients": sum(_bytes(p.grad) for p in params if p.grad is not None),
+           "optimizer": _optimizer_bytes(opt),
+           "activations": saved.total}
+    return {"measured": got, "predicted": dict(pm.plan.cost.memory),
+            "saved": [(n, saved.shapes[k]) for k, n in saved.storages.items()],
+            "plan": pm.plan.to_dict() if dist.get_rank() == 0 else None}
+
+
+def step_times(name, mesh_shape, plan: dict, steps: int = 5, warmup: int = 2) -> list[float]:
+    """Seconds of each of `steps` training steps (forward, backward, gradient sync) of the
+    given plan, after `warmup` steps; every step starts together on all ranks and ends when
+    the slowest rank is done."""
+    model, loss_fn, (x, y) = build(name)
+    mesh = mesh_for(mesh_shape)
+    pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y),
+                             plan=autopar.Plan.from_dict(plan))
+    times = []
+    flag = torch.zeros(1)
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        pm.step(x, y)
+        flag[0] = time.perf_counter() - start
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the step ends with the slowest rank
+        if i >= warmup:
+            times.append(float(flag[0]))
+    return times
+
+
+def median_step_time(name, mesh_shape, plan: dict, steps: int = 5) -> float:
+    return statistics.median(step_times(name, mesh_shape, plan, steps))
+
+
+def calibrated_profile(mesh_shape, **kwargs) -> dict:
+    """autopar.calibrate on a mesh of the world (every rank returns the same profile)."""
+    profile = autopar.calibrate(mesh_for(mesh_shape), **kwargs)
+    return profile.to_dict()
+
+
+def compare_plans(name, plans: list, rounds: int = 3, steps: int = 3, warmup: int = 2
+                  ) -> list[list[float]]:
+    """Step seconds of several plans (list of (mesh shape, plan dict)) of one model, measured in
+    interleaved rounds (so that load on the machine affects every plan alike): for each plan,
+    `rounds` x `steps` step times."""
+    model, loss_fn, (x, y) = build(name)
+    pms = []
+    for shape, plan in plans:
+        pm = autopar.parallelize(copy.deepcopy(model), mesh_for(shape), loss_fn=loss_fn,
+                                 example_inputs=(x, y), plan=autopar.Plan.from_dict(plan))
+        for _ in range(warmup):
+            pm.step(x, y)
+        pms.append(pm)
+    out: list[list[float]] = [[] for _ in plans]
+    flag = torch.zeros(1)
+    for _ in range(rounds):
+        for i, pm in enumerate(pms):
+            for _ in range(steps):
+                dist.barrier()
+                start = time.perf_counter()
+                pm.step(x, y)
+                flag[0] = time.perf_counter() - start
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                out[i].append(float(flag[0]))
+    return out
+
+
+def op_times(name, mesh_shapes: list, profile: dict, min_time: float = 0.002) -> dict:
+    """Measured (forward, backward) seconds of every op of the model's strategy graphs on the
+    given meshes, timed on every rank at once (ranks sharing a machine share its cores, as in a
+    step); returns rank 0's times by op key."""
+    from autopar.api import _trace
+    from autopar.passes import strategies
+    from autopar.profile import OpProfiler
+    from autopar.solver.cost import CostModel
+    model, loss_fn, (x, y) = build(name)
+    program = _trace(model, (x, y), loss_fn)
+    profiler = OpProfiler("cpu", cache_dir=False, min_time=min_time, samples=3)
+    hw = autopar.HardwareProfile.from_dict(profile)
+    for shape in mesh_shapes:
+        graph = strategies.build(program, tuple(shape))
+        profiler.measure(graph, CostModel(autopar.MeshSpec(tuple(shape), hardware=hw),
+                                          graph=graph))
+    return profiler.times

@@ -1,0 +1,90 @@
+"""Functions the gloo ranks run for the pipeline tests (module level, so ranks import them).
+
+`train_equivalence` trains a pipelined model and a single-device copy side by side on every rank
+and raises (with the largest differences) when loss, gradients, parameters after the optimizer
+steps or the inference output disagree; the test sees the traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from tests import rank_tasks
+from tests.rank_tasks import ATOL, RTOL
+
+_MESHES: dict = {}
+
+
+def mesh_for(shape: tuple[int, ...], names: tuple[str, ...]):
+    """One DeviceMesh per shape and names per process (creating one is a collective)."""
+    key = (tuple(shape), tuple(names))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", key[0], mesh_dim_names=key[1])
+    return _MESHES[key]
+
+
+def train_equivalence(name: str, shape: tuple[int, ...], names: tuple[str, ...],
+                      steps: int = 3, given_plan: bool = False, **options) -> dict | None:
+    """Loss, gradients, parameters after `steps` AdamW steps and the inference output of the
+    pipelined model equal single-device training. `options` go to autopar.parallelize
+    (microbatches, schedule, virtual_stages, force), or with `given_plan` to autopar.plan on
+    every rank, whose plan (saved and loaded) parallelize then runs. Returns the plan as data
+    (rank 0)."""
+    model, loss_fn, (x, y) = rank_tasks.build(name)
+    ref = copy.deepcopy(model)
+    mesh = mesh_for(shape, names)
+    if given_plan:
+        plan = autopar.plan(model, autopar.MeshSpec.from_device_mesh(mesh), (x, y),
+                            loss_fn=loss_fn, **options)
+        plan = autopar.Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+        pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, plan=plan, example_inputs=(x, y))
+    else:
+        pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y),
+                                 **options)
+    # eps 1e-5: see tests/rank_tasks.py (exactly-zero true gradients).
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-5)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-5)
+    ref_params = dict(ref.named_parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        loss = pm.step(x, y)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        if step == 0:
+            rank_tasks._check("gradient", pm.full_grads(),
+                              {n: p.grad for n, p in ref_params.items()})
+        opt.step()
+        ref_opt.step()
+    rank_tasks._check("parameter", pm.full_parameters(),
+                      {n: p.detach() for n, p in ref_params.items()})
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), ref(x), rtol=RTOL, atol=ATOL)
+    return pm.plan.to_dict() if dist.get_rank() == 0 else None
+
+
+def expect_error(kind: str) -> str:
+    """Run one misuse of a pipelined mesh on every rank; return the error's message."""
+    model, loss_fn, (x, y) = rank_tasks.build("gpt")
+    size = dist.get_world_size()
+    try:
+        if kind == "batch_not_divisible":
+            autopar.parallelize(model, mesh_for((size,), ("pp",)), loss_fn=loss_fn,
+                                example_inputs=(x, y), microbatches=3)
+        elif kind == "other_batch_at_step":
+            pm = autopar.parallelize(model, mesh_for((size,), ("pp",)), loss_fn=loss_fn,
+                                     example_inputs=(x, y), microbatches=2)
+            pm.step(x[:2], y[:2])
+        else:
+            raise ValueError(kind)
+    except Exception as e:  # noqa: BLE001 - the test inspects the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+

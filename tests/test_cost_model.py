@@ -1,0 +1,268 @@
+"""The cost model's figures: hardware profiles, flops (Megatron's count), roofline and
+alpha-beta pricing, calibration on a real gloo world, measured op times, the printed cost."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar
+from autopar.api import _trace
+from autopar.calibrate import fit_link
+from autopar.hardware import GB, HardwareProfile, Link
+from autopar.passes import strategies
+from autopar.profile import OpProfiler
+from autopar.solver.cost import ALGO_FACTOR, CostModel, attention_flops, is_view
+from examples.gpt import CausalSelfAttention
+from tests import cost_tasks
+from tests.models import GPT, MLP, GPTConfig, lm_loss
+
+# -- hardware profiles -----------------------------------------------------------------------------
+
+
+def test_builtin_profiles_match_the_datasheets():
+    """Dense peaks, memory and bandwidth of the vendor datasheets; NVLink and InfiniBand links
+    below their line rates (per direction: NVLink3 300, NVLink4 450, HDR 25, NDR 50 GB/s)."""
+    a100, h100, h200 = autopar.A100, autopar.H100, autopar.H200
+    assert a100.flops["float32"] == 19.5e12 and a100.flops["bfloat16"] == 312e12
+    assert h100.flops["float32"] == 67e12 and h100.flops["bfloat16"] == 989.4e12
+    assert h200.flops == h100.flops
+    assert (a100.memory_bandwidth, h100.memory_bandwidth, h200.memory_bandwidth) == \
+        (2.039e12, 3.35e12, 4.8e12)
+    assert a100.memory == 80 * 2**30 and 79 * 2**30 < h100.memory < 80 * 2**30
+    assert 140 * 2**30 < h200.memory < 141 * 2**30
+    for hw, nvlink, ib in ((a100, 300, 25), (h100, 450, 50), (h200, 450, 50)):
+        assert 0.7 * nvlink * GB <= hw.intra_node.bandwidth < nvlink * GB
+        assert 0.8 * ib * GB <= hw.inter_node.bandwidth < ib * GB
+        assert hw.devices_per_node == 8
+        assert hw.intra_node.alpha < hw.inter_node.alpha
+    assert autopar.H100.peak_flops(torch.bfloat16) == 989.4e12
+    assert autopar.H100.peak_flops(torch.int64) == 67e12  # float32 for anything else
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    link = Link("measured", 1e-4, 2e9, (("reduce_scatter", 3e-4, 1e9),))
+    hw = HardwareProfile("box", {"float32": 1e11}, 1e10, 2**34, 1e-5, link, link, 4,
+                         view_launch=2e-6, measured={"note": [1, 2]})
+    hw.save(str(tmp_path / "hw.json"))
+    assert HardwareProfile.load(str(tmp_path / "hw.json")) == hw
+    spec = autopar.MeshSpec((2, 2), names=("dp", "tp"), hardware=hw)
+    assert autopar.MeshSpec.from_dict(json.loads(json.dumps(spec.to_dict()))).profile == hw
+    assert link.for_kind("reduce_scatter") == (3e-4, 1e9)
+    assert link.for_kind("all_gather") == (1e-4, 2e9)
+
+
+def test_collectives_follow_alpha_beta():
+    """alpha + factor x bytes / bandwidth, with the ring factors, on the mesh dimension's link
+    (and a measured kind's own figures)."""
+    spec = autopar.MeshSpec((2, 4), hardware="h100", devices_per_node=4)
+    cost = CostModel(spec)
+    nbytes = 2**26
+    for kind in ALGO_FACTOR:
+        for dim, link in ((0, autopar.H100.inter_node), (1, autopar.H100.intra_node)):
+            n = spec.shape[dim]
+            want = link.alpha + ALGO_FACTOR[kind](n) * nbytes / link.bandwidth
+            assert cost.collective_time(kind, dim, nbytes) == pytest.approx(want)
+    assert ALGO_FACTOR["all_reduce"](4) == 1.5 and ALGO_FACTOR["all_gather"](4) == 0.75
+    slow = Link("x", 1e-5, 1e9, (("reduce_scatter", 1e-3, 1e8),))
+    hw = HardwareProfile("x", {"float32": 1e12}, 1e11, 2**34, 1e-6, slow, slow, 8)
+    cost = CostModel(autopar.MeshSpec((4,), hardware=hw))
+    assert cost.collective_time("reduce_scatter", 0, 1e6) == pytest.approx(1e-3 + 0.75e6 / 1e8)
+    assert cost.collective_time("all_gather", 0, 1e6) == pytest.approx(1e-5 + 0.75e6 / 1e9)
+
+
+# -- flops -----------------------------------------------------------------------------------------
+
+
+def test_attention_flops():
+    """QK^T and PV: 4 B H L S E for equal head dims; a causal mask halves it; grouped-query
+    attention counts the query heads."""
+    q, k = (2, 8, 128, 64), (2, 8, 128, 64)
+    assert attention_flops(q, k, k) == 4 * 2 * 8 * 128 * 128 * 64
+    assert attention_flops(q, k, k, causal=True) == 2 * 2 * 8 * 128 * 128 * 64
+    assert attention_flops((2, 8, 16, 64), (2, 8, 256, 64), (2, 8, 256, 32)) == \
+        2 * 2 * 8 * 16 * 256 * (64 + 32)
+
+
+class _Bidirectional(CausalSelfAttention):
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=False)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def _training_flops(model, batch, seq, vocab, products_only=True) -> float:
+    x = torch.randint(0, vocab, (batch, seq), device="meta")
+    graph = strategies.build(_trace(model, (x, x), lm_loss), (1,))
+    cost = CostModel(autopar.MeshSpec((1,)), graph=graph)
+    total = 0.0
+    for v in graph.nodes.values():
+        if v.kind != "op" or is_view(v):
+            continue
+        if products_only and not v.op.startswith(("linear", "scaled_dot_product_attention")):
+            continue
+        f, b = cost.training_flops(v, v.strategies[0])
+        total += f + b
+    return total
+
+
+@pytest.mark.parametrize("B,s,L,h,V", [(2, 128, 2, 256, 1000), (4, 64, 3, 128, 50257)])
+def test_megatron_flop_count(B, s, L, h, V):
+    """Megatron-LM's count per iteration without recomputation (L layers), 72 B s L h^2
+    (1 + s/(6h) + V/(12 h L)), is 3 x the forward flops of the products (QKV, attention scores
+    and values, output projection, MLP, logits), backward computing two products per forward
+    one. Our model's products sum to exactly that; under a causal mask attention does half the work,
+    so the s/(6h) term halves. Norms, softmax, the loss and elementwise ops, which Megatron
+    leaves out, add a few percent (the loss over a 50k vocabulary at h = 128 most)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=V, block_size=s, n_layer=L, n_head=4, n_embd=h))
+    megatron = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * h * L))
+    causal = 72 * B * s * L * h**2 * (1 + s / (12 * h) + V / (12 * h * L))
+    assert _training_flops(model, B, s, V) == pytest.approx(causal, rel=1e-12)
+    everything = _training_flops(model, B, s, V, products_only=False)
+    assert causal < everything < 1.06 * causal
+    for block in model.h:
+        block.attn.__class__ = _Bidirectional
+    assert _training_flops(model, B, s, V) == pytest.approx(megatron, rel=1e-12)
+
+
+def test_roofline_prices_backward_by_the_gradients_it_computes():
+    """A hidden layer's backward computes two products (2x forward), the first layer's one (its
+    input needs no gradient); each op pays the launch floor per kernel."""
+    torch.manual_seed(0)
+    model = MLP([1024, 1024, 1024])
+    x, y = torch.randn(4096, 1024), torch.randint(0, 1024, (4096,))
+    graph = strategies.build(_trace(model, (x, y), F.cross_entropy), (1,))
+    cost = CostModel(autopar.MeshSpec((1,), hardware="h100"), graph=graph)
+    first, hidden = [v for v in graph.nodes.values() if v.op.startswith("linear")]
+    flops = 2 * 4096 * 1024 * 1024
+    bytes_ = (4096 * 1024 * 2 + 1024 * 1024 + 1024) * 4
+    roof = max(flops / 67e12, bytes_ / 3.35e12)
+    launch = autopar.H100.launch
+    assert cost.compute_times(first, first.strategies[0]) == pytest.approx(
+        (roof + launch, roof + launch))
+    assert cost.compute_times(hidden, hidden.strategies[0]) == pytest.approx(
+        (roof + launch, 2 * roof + 2 * launch))
+    unbound = CostModel(autopar.MeshSpec((1,), hardware="h100"))  # no graph: assume both
+    assert unbound.compute_times(first, first.strategies[0])[1] == pytest.approx(
+        2 * roof + 2 * launch)
+
+
+# -- calibration -----------------------------------------------------------------------------------
+
+
+def test_fit_link_recovers_alpha_and_beta():
+    alpha, bw = 250e-6, 1.5e9
+    points = [(kind, b, alpha + ALGO_FACTOR[kind](4) * b / bw)
+              for kind in ALGO_FACTOR for b in (4096, 2**16, 2**20, 2**22)]
+    got = fit_link(points, 4)
+    assert got == pytest.approx((alpha, bw), rel=1e-9)
+    noisy = [(k, b, t * (1.1 if i % 2 else 0.9)) for i, (k, b, t) in enumerate(points)]
+    a2, bw2 = fit_link(noisy, 4)
+    assert a2 > 0 and bw2 > 0 and math.isclose(bw2, bw, rel_tol=0.3)
+
+
+def test_calibrate_on_a_gloo_world(world4, tmp_path):
+    """Every rank gets the same profile: measured links for every mesh dimension (a 2x2 mesh:
+    both inside this host), ranks per host, per-rank compute; plan takes it, and it travels in
+    the saved plan."""
+    profiles = world4.run(cost_tasks.calibrated_profile, (2, 2), sizes=(2**12, 2**16),
+                          min_time=0.001, compute_time=0.01)
+    assert all(p == profiles[0] for p in profiles)
+    hw = HardwareProfile.from_dict(profiles[0])
+    assert hw.name == "cpu-calibrated" and hw.devices_per_node == 4
+    assert set(hw.measured["links"]) == {"0", "1"}
+    assert all(d["link"] == "intra" for d in hw.measured["links"].values())
+    assert hw.intra_node.alpha > 0 and hw.intra_node.bandwidth > 0
+    assert {k for k, _, _ in hw.intra_node.per_kind} == set(ALGO_FACTOR)
+    assert hw.flops["float32"] > 1e8 and hw.memory_bandwidth > 1e8 and hw.launch > 0
+    torch.manual_seed(0)
+    model = MLP([16, 32, 8])
+    spec = autopar.MeshSpec((2, 2), names=("dp", "tp"), hardware=hw)
+    plan = autopar.plan(model, spec, (torch.randn(8, 16), torch.randint(0, 8, (8,))),
+                        loss_fn=F.cross_entropy)
+    plan.save(str(tmp_path / "plan.json"))
+    assert autopar.Plan.load(str(tmp_path / "plan.json")).mesh.profile == hw
+    assert plan.mesh.link(0).name == "gloo-loopback-measured"
+
+
+# -- measured op times -----------------------------------------------------------------------------
+
+
+def test_profiler_measures_once_and_caches_on_disk(tmp_path):
+    torch.manual_seed(0)
+    model = MLP([16, 32, 8])
+    example = (torch.randn(8, 16), torch.randint(0, 8, (8,)))
+    spec = autopar.MeshSpec((2,), hardware="cpu")
+    profiler = OpProfiler("cpu", cache_dir=tmp_path, min_time=1e-4, samples=2)
+    plan = autopar.plan(model, spec, example, loss_fn=F.cross_entropy, profile=profiler)
+    assert profiler.measured_now > 0
+    assert profiler.path.parent == tmp_path
+    assert profiler.path.name.startswith("cpu-") and torch.__version__ in profiler.path.name
+    saved = json.loads(profiler.path.read_text())
+    assert saved["torch"] == torch.__version__ and len(saved["times"]) == profiler.measured_now
+    assert plan.cost.compute_source == "measured"
+
+    again = OpProfiler("cpu", cache_dir=tmp_path)
+    replan = autopar.plan(model, spec, example, loss_fn=F.cross_entropy, profile=again)
+    assert again.measured_now == 0  # everything came from the cache
+    assert replan.cost.step_time == plan.cost.step_time
+    graph = strategies.build(_trace(model, example, F.cross_entropy), spec.shape)
+    cost = CostModel(spec, graph=graph)
+    measured = again.measure(graph, cost)
+    timed = cost.copy(measured=measured)
+    for v in graph.nodes.values():
+        if cost.is_measurable(v):
+            for s in v.strategies:
+                fwd, bwd = measured[cost.op_key(v, s)]
+                want = fwd + (bwd if v.requires_grad and v.kind == "op" else 0.0)
+                assert timed.compute_time(v, s) == pytest.approx(want)
+
+
+# -- the printed cost ------------------------------------------------------------------------------
+
+
+def test_plan_cost_is_split_and_printed():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    x = torch.randint(0, 64, (4, 16))
+    spec = autopar.MeshSpec((2, 2), names=("dp", "tp"), hardware="cpu")
+    plan = autopar.plan(model, spec, (x, x), loss_fn=lm_loss,
+                        force={"dp": "fsdp", "tp": "tensor"}, memory_budget=2**30)
+    cost = plan.cost
+    assert cost.step_time == pytest.approx(cost.compute + cost.communication_total)
+    assert 0 < cost.compute_forward < cost.compute
+    assert set(cost.communication) >= {"all_gather", "reduce_scatter", "all_reduce",
+                                       "gradient_sync"}
+    assert cost.communication["all_gather"] > 0 and cost.communication["reduce_scatter"] > 0
+    assert cost.memory_budget == 2**30
+    text = str(plan)
+    assert "predicted step" in text and "forward" in text and "backward" in text
+    assert "all_gather" in text and "gradient_sync" in text
+    assert "memory per device" in text and "of 1024.0 MiB budget" in text
+    for kind in ("parameters", "gradients", "optimizer", "activations"):
+        assert kind in text.splitlines()[-1] or kind in text
+    assert autopar.Plan.from_dict(plan.to_dict()).cost == cost
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+
+
+def test_predicted_vs_measured_benchmark_runs(world4):
+    """The mechanics only (timings are never asserted): calibrate, plan, measure and print the
+    markdown table with a Spearman correlation, on a tiny model."""
+    from benchmarks.predicted_vs_measured import run, spearman
+    lines: list[str] = []
+    result = run("tiny", 4, rounds=1, steps=1, configs=[((4,), "data"), ((2, 2), "fsdp")],
+                 min_time=0.001, sizes=(2**12, 2**16), out=lines.append, world=world4)
+    table = [ln for ln in lines if ln.startswith("|")]
+    assert table[0].startswith("| plan | predicted ms") and len(table) == 4
+    assert any("Spearman" in ln for ln in lines)
+    assert [r["plan"] for r in result["rows"]] == ["4 data", "2x2 fsdp"]
+    assert all(r["measured"] > 0 and r["predicted"] > 0 for r in result["rows"])
+    assert spearman([1, 2, 3], [10, 30, 20]) == pytest.approx(0.5)
+    assert spearman([1, 2, 3, 4], [1, 2, 3, 4]) == pytest.approx(1.0)

@@ -1,0 +1,231 @@
+"""The memory model: ZeRO's arithmetic, the bytes ranks really hold after a step, the budget
+moving the solver from DDP to sharded plans, and the message when nothing fits."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.api import _trace
+from autopar.passes import strategies
+from autopar.passes.placement import fmt
+from autopar.planner import choice_from_plan
+from autopar.solver.cost import CostModel
+from autopar.solver.ilp import NoFeasiblePlan, plan_time, solve
+from autopar.solver.memory import min_memory, plan_memory, zero_memory
+from tests import cost_tasks
+from tests.models import GPT, GPTConfig, lm_loss
+
+PSI = 1_000_003  # parameters (odd on purpose: no rounding hides in the formulas)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 64])
+def test_zero_arithmetic(n):
+    """Mixed-precision AdamW: ZeRO's 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 16 Psi/N."""
+    want = {"ddp": 16 * PSI, "zero1": 4 * PSI + 12 * PSI / n, "zero2": 2 * PSI + 14 * PSI / n,
+            "zero3": 16 * PSI / n, "fsdp": 16 * PSI / n}
+    for setup, total in want.items():
+        got = zero_memory(PSI, n, setup, precision="bf16-mixed", optimizer="adamw")
+        assert sum(got.values()) == pytest.approx(total, rel=1e-12), setup
+    ddp = zero_memory(PSI, n, "ddp")
+    assert ddp == {"parameters": 2 * PSI, "gradients": 2 * PSI, "optimizer": 12 * PSI}
+
+
+def test_zero_arithmetic_other_optimizers():
+    """fp32 AdamW: 16 bytes per parameter (4 + 4 + 8); SGD with momentum 12; plain SGD 8; with
+    AdamW's step scalar (4 bytes) per tensor."""
+    assert sum(zero_memory(PSI, 4, "ddp", "fp32", "adamw", tensors=10).values()) == \
+        16 * PSI + 40
+    assert sum(zero_memory(PSI, 4, "ddp", "fp32", "sgd-momentum").values()) == 12 * PSI
+    assert sum(zero_memory(PSI, 4, "fsdp", "fp32", "sgd").values()) == 8 * PSI / 4
+    assert sum(zero_memory(PSI, 4, "ddp", "bf16-mixed", "sgd-momentum").values()) == 12 * PSI
+
+
+def gpt(n_layer=2, n_embd=64, vocab=128, seq=32, batch=8):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=4,
+                          n_embd=n_embd))
+    x = torch.randint(0, vocab, (batch, seq))
+    return model, (x, x)
+
+
+@pytest.mark.parametrize("precision,optimizer,per_param", [
+    ("bf16-mixed", "adamw", 16), ("fp32", "adamw", 16), ("fp32", "sgd-momentum", 12),
+    ("bf16-mixed", "sgd", 8)])
+def test_plans_price_the_standard_setups(precision, optimizer, per_param):
+    """A real model's DDP and FSDP plans cost what ZeRO's arithmetic says: Psi x bytes per
+    parameter replicated, / N sharded (every GPT tensor splits evenly over 4), plus AdamW's
+    step scalar per tensor."""
+    model, example = gpt()
+    psi = sum(p.numel() for p in model.parameters())
+    tensors = len(list(model.parameters()))
+    scalars = 4 * tensors if optimizer == "adamw" else 0
+    n = 4
+    for force, setup in (("data", "ddp"), ("fsdp", "fsdp")):
+        plan = autopar.plan(model, autopar.MeshSpec((n,), hardware="cpu"), example,
+                            loss_fn=lm_loss, force=force, precision=precision,
+                            optimizer=optimizer)
+        held = {k: v for k, v in plan.cost.memory.items() if k != "activations"}
+        want = zero_memory(psi, n, setup, precision, optimizer, tensors)
+        assert held == pytest.approx(want), (force, held, want)
+        replicated = setup == "ddp"
+        assert sum(held.values()) == pytest.approx(
+            per_param * psi / (1 if replicated else n) + scalars)
+        assert plan.cost.precision == precision and plan.cost.optimizer == optimizer
+
+
+def test_mixed_precision_halves_activations_and_traffic():
+    model, example = gpt()
+    spec = autopar.MeshSpec((4,), hardware="h100")
+    full = autopar.plan(model, spec, example, loss_fn=lm_loss, force="fsdp")
+    half = autopar.plan(model, spec, example, loss_fn=lm_loss, force="fsdp",
+                        precision="bf16-mixed")
+    assert half.cost.memory["activations"] == pytest.approx(
+        full.cost.memory["activations"] / 2, rel=0.05)  # float32 statistics stay float32
+    gathered = [c.bytes for c in full.collectives if c.kind == "all_gather"]
+    assert [c.bytes for c in half.collectives if c.kind == "all_gather"] == \
+        [b // 2 for b in gathered]
+
+
+def test_bf16_plans_are_planned_not_run():
+    """parallelize refuses a plan it cannot execute, saying so."""
+    model, example = gpt()
+    plan = autopar.plan(model, autopar.MeshSpec((2,), hardware="cpu"), example,
+                        loss_fn=lm_loss, precision="bf16-mixed")
+    graph = strategies.build(_trace(model, example, lm_loss), (2,))
+    with pytest.raises(NotImplementedError, match="bf16-mixed.*fp32"):
+        choice_from_plan(plan, graph)
+    with pytest.raises(ValueError, match="unknown precision"):
+        autopar.plan(model, autopar.MeshSpec((2,), hardware="cpu"), example, loss_fn=lm_loss,
+                     precision="fp8")
+
+
+def test_plan_memory_is_what_the_ilp_constrains():
+    """plan.cost.memory sums to the ILP's memory of the chosen plan, within the budget."""
+    model, example = gpt()
+    program = _trace(model, example, lm_loss)
+    spec = autopar.MeshSpec((2, 2), names=("dp", "tp"), hardware="cpu")
+    for budget in (None, 2.5e6):
+        plan = autopar.plan(model, spec, example, loss_fn=lm_loss, memory_budget=budget)
+        graph = strategies.build(program, spec.shape)
+        cost = CostModel(spec, graph=graph)
+        choice = choice_from_plan(plan, graph)
+        index = {n: graph.nodes[n].strategies.index(s) for n, s in choice.items()}
+        assert plan.cost.peak_memory == pytest.approx(plan_memory(graph, cost, index))
+        assert plan.cost.peak_memory <= plan.cost.memory_budget * (1 + 1e-9)
+
+
+class Wide(nn.Module):
+    """Two big layers on a small batch: parameters and optimizer state dominate memory."""
+
+    def __init__(self, width=512):
+        super().__init__()
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def _sharded(plan) -> float:
+    """Share of parameters stored sharded."""
+    return sum(1 for p in plan.parameters.values() if "S" in fmt(p)) / len(plan.parameters)
+
+
+def _weight_uses(plan) -> list[str]:
+    """How each linear uses its weight: sharded (tensor parallel) or whole."""
+    return ["sharded" if "S" in o.inputs[1] else "whole" for o in plan.ops
+            if o.op.startswith("linear")]
+
+
+@pytest.mark.parametrize("batch,then", [(4096, "fsdp"), (512, "tensor")])
+def test_shrinking_budget_moves_from_ddp_to_sharded_plans(batch, then):
+    """With room to spare the solver picks DDP (no communication but the gradient all-reduce);
+    as the budget shrinks it shards parameters and optimizer state, paying more time for less
+    memory: FSDP (stored sharded, gathered for use) when the batch is large and activations
+    are expensive to move, tensor parallel (used where stored) when it is small. Below the
+    smallest peak any plan reaches, the error says what that peak is."""
+    torch.manual_seed(0)
+    model = Wide(256)
+    x, y = torch.randn(batch, 256), torch.randint(0, 256, (batch,))
+    spec = autopar.MeshSpec((4,), hardware="cpu")
+    free = autopar.plan(model, spec, (x, y), loss_fn=F.cross_entropy)
+    assert {fmt(p) for p in free.parameters.values()} == {"R"}  # DDP
+    graph = strategies.build(_trace(model, (x, y), F.cross_entropy), spec.shape)
+    smallest, _ = min_memory(graph, CostModel(spec, graph=graph))
+    times, peaks, sharded, uses = [], [], [], []
+    for budget in [free.cost.peak_memory * f for f in (1.0, 0.9, 0.8)] + [smallest * 1.001]:
+        plan = autopar.plan(model, spec, (x, y), loss_fn=F.cross_entropy, memory_budget=budget)
+        assert plan.cost.peak_memory <= budget * (1 + 1e-9)
+        times.append(plan.cost.step_time)
+        peaks.append(plan.cost.peak_memory)
+        sharded.append(_sharded(plan))
+        uses.append(_weight_uses(plan))
+    assert times == sorted(times) and times[-1] > times[0]
+    assert peaks == sorted(peaks, reverse=True)
+    assert sharded[0] == 0 and sharded[2] > 0
+    assert uses[0] == ["whole", "whole"]
+    if then == "fsdp":
+        assert uses[2] == ["whole", "whole"]
+    else:
+        assert "sharded" in uses[2]
+    with pytest.raises(NoFeasiblePlan) as info:
+        autopar.plan(model, spec, (x, y), loss_fn=F.cross_entropy,
+                     memory_budget=smallest * 0.9)
+    text = str(info.value)
+    assert f"smallest peak any plan reaches is {smallest / 2**20:.3f} MiB" in text
+    assert "dominated by" in text
+
+
+def test_no_feasible_plan_names_what_dominates():
+    """Activations dominate a long batch: the message says so and suggests what helps."""
+    model, example = gpt(batch=64)
+    with pytest.raises(NoFeasiblePlan, match=r"dominated by activations.*smaller batch"):
+        autopar.plan(model, autopar.MeshSpec((2,), hardware="cpu"), example, loss_fn=lm_loss,
+                     memory_budget=1e6)
+
+
+def test_min_memory_is_a_lower_bound_the_solver_reaches():
+    model, example = gpt(n_layer=1)
+    spec = autopar.MeshSpec((4,), hardware="cpu")
+    graph = strategies.build(_trace(model, example, lm_loss), spec.shape)
+    cost = CostModel(spec, graph=graph)
+    smallest, choice = min_memory(graph, cost)
+    assert plan_memory(graph, cost, choice) == pytest.approx(smallest)
+    sol = solve(graph, cost, memory_budget=smallest * 1.0001)
+    assert plan_memory(graph, cost, sol.choice) <= smallest * 1.0001
+    assert sol.objective == pytest.approx(plan_time(graph, cost, sol.choice), rel=1e-6)
+    with pytest.raises(NoFeasiblePlan):
+        solve(graph, cost, memory_budget=smallest * 0.999)
+
+
+# -- what ranks really hold ----------------------------------------------------------------------
+
+CASES = [("gpt", (4,), "data"), ("gpt", (4,), "fsdp"), ("gpt", (4,), "tensor"),
+         ("gpt", (2, 2), {"dp": "fsdp", "tp": "tensor"}), ("hf_llama", (4,), "tensor")]
+
+
+@pytest.mark.parametrize("model,shape,force", CASES, ids=lambda s: str(s).replace(" ", ""))
+def test_measured_memory_equals_prediction(world4, model, shape, force):
+    """After a step, the bytes of parameters, gradients and AdamW state (its state dict) each
+    rank holds equal the plan's prediction exactly; the tensors autograd saved for backward
+    (distinct storages, parameters and inputs excluded) are within 10% of it."""
+    results = world4.run(cost_tasks.measured_memory, model, shape, force)
+    predicted = results[0]["predicted"]
+    for r in results:
+        got = r["measured"]
+        for kind in ("parameters", "gradients", "optimizer"):
+            assert got[kind] == predicted[kind], (kind, got, predicted)
+        assert got["activations"] == pytest.approx(predicted["activations"], rel=0.10)
+
+
+def test_measured_memory_sgd_momentum(world2):
+    """SGD with momentum keeps one buffer per parameter and no scalars: what a plan made for it
+    predicts."""
+    got = world2.run(cost_tasks.measured_memory, "mlp", (2,), "fsdp",
+                     optimizer="sgd-momentum")[0]["measured"]
+    model, loss_fn, example = cost_tasks.build("mlp")
+    plan = autopar.plan(model, autopar.MeshSpec((2,), names=("dp",), hardware="cpu"), example,
+                        loss_fn=loss_fn, force="fsdp", optimizer="sgd-momentum")
+    assert got["optimizer"] == plan.cost.memory["optimizer"] == got["parameters"]

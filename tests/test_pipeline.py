@@ -1,0 +1,403 @@
+"""Pipeline parallelism: the stage solver's formulas and choices, layer blocks, pipelined plans,
+bad input, and equivalence with single-device training on gloo ranks (2 and 4 stages on (2,)
+and (4,) meshes, pp x dp on (2, 2), the test GPT and a Hugging Face Llama)."""
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import schedules as torch_schedules
+
+import autopar
+from autopar.passes import strategies
+from autopar.passes.pipeline_split import layer_blocks, split_stages
+from autopar.passes.rewrite import rewrite
+from autopar.passes.trace import trace
+from autopar.planner import choice_from_plan
+from autopar.solver import stages as st
+from autopar.solver.stages import Block, StageError
+from tests import pipeline_tasks, rank_tasks
+from tests.models import ResidualMLP, hf_llama, lm_loss
+
+# -- the formulas --------------------------------------------------------------------------------
+
+
+def test_bubble_fraction_cases():
+    assert st.bubble_fraction("gpipe", 4, 8) == pytest.approx(3 / 8)
+    assert st.bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 8)
+    assert st.bubble_fraction("interleaved", 4, 8, 2) == pytest.approx(3 / 16)
+    assert st.bubble_fraction("interleaved", 4, 8, 4) == pytest.approx(3 / 32)
+    assert st.bubble_fraction("1f1b", 2, 1) == 1.0
+    # interleaved with fewer microbatches than ranks: each chunk waits for the ring
+    assert st.bubble_fraction("interleaved", 4, 2, 2) == pytest.approx(5 / 4)
+
+
+def test_microbatches_in_flight():
+    assert [st.in_flight("gpipe", 4, 8, 1, r) for r in range(4)] == [8, 8, 8, 8]
+    assert [st.in_flight("1f1b", 4, 8, 1, r) for r in range(4)] == [4, 3, 2, 1]
+    assert [st.in_flight("1f1b", 4, 2, 1, r) for r in range(4)] == [2, 2, 2, 1]
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 4, 3), (4, 10, 2), (2, 2, 2)])
+def test_interleaved_in_flight_follows_torch(p, m, v):
+    """Interleaved 1F1B holds its warm-up forwards plus one: what torch's schedule computes
+    (a private helper: this test fails loudly if PyTorch changes it)."""
+    rounds = max(1, m // p)
+    for r in range(p):
+        warmup = torch_schedules._get_warmup_ops(r, v, m // rounds, p, m)
+        assert st.in_flight("interleaved", p, m, v, r) == pytest.approx(
+            min(m * v, warmup + 1) / v)
+
+
+def test_schedule_constraints():
+    assert st.schedule_problem("1f1b", 4, 4, 1) is None
+    assert "at least as many microbatches" in st.schedule_problem("1f1b", 4, 2, 1)
+    assert "2 virtual stages" in st.schedule_problem("interleaved", 4, 8, 1)
+    assert "multiple" in st.schedule_problem("interleaved", 4, 9, 2)
+    assert "unknown schedule" in st.schedule_problem("zero-bubble", 4, 8, 1)
+
+
+# -- the stage ILP on synthetic chains ---------------------------------------------------------
+
+def chain(times, *, fixed=0.0, params=0.0, acts=0.0, cut=1e-6, cut_fixed=0.0):
+    return [Block(f"b{i}", t, min(fixed, t), 0.0, params, acts, cut, cut_fixed)
+            for i, t in enumerate(times)]
+
+
+def brute_force(blocks, p, m, v=1, sigma=1.0):
+    """Min over every contiguous cut of the objective, evaluated directly."""
+    n = len(blocks)
+    best = None
+    for cuts in itertools.combinations(range(1, n), p * v - 1):
+        bounds = [0, *cuts, n]
+        times = []
+        for s in range(p * v):
+            lo, hi = bounds[s], bounds[s + 1]
+            t = sum(b.time_fixed + (b.time - b.time_fixed) * sigma for b in blocks[lo:hi])
+            if s < p * v - 1:
+                b = blocks[hi - 1]
+                t += b.cut_fixed + (b.cut_time - b.cut_fixed) * sigma
+            times.append(t)
+        value = st.step_time(times, [0.0] * (p * v), p, m, v)
+        best = value if best is None else min(best, value)
+    return best
+
+
+def test_equal_blocks_are_cut_evenly():
+    sol = st.solve_stages(chain([1e-3] * 8), 4, "1f1b", 8, 1, 1.0, None)
+    assert sol.cuts == [2, 4, 6]
+    assert sol.objective == pytest.approx(st.step_time(sol.stage_time, [0] * 4, 4, 8, 1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stage_ilp_equals_brute_force(seed):
+    rng = random.Random(seed)
+    blocks = chain([rng.uniform(1e-4, 1e-3) for _ in range(rng.randint(4, 7))])
+    for b in blocks:
+        b.cut_time = rng.uniform(0, 2e-4)
+    p, m = rng.choice([2, 3]), rng.choice([1, 2, 4, 8])
+    sol = st.solve_stages(blocks, p, "gpipe", m, 1, 1.0, None)
+    assert sol.objective == pytest.approx(brute_force(blocks, p, m), rel=1e-6)
+    if len(blocks) >= 2 * p and st.schedule_problem("interleaved", p, m, 2) is None:
+        sol = st.solve_stages(blocks, p, "interleaved", m, 2, 1.0, None)
+        assert sol.objective == pytest.approx(brute_force(blocks, p, m, 2), rel=1e-6)
+
+
+def test_memory_decides_the_cut():
+    """Balanced by time the first stage would hold the two heavy blocks; within the budget it
+    must not."""
+    blocks = chain([1e-3] * 4)
+    blocks[0].param_bytes = blocks[1].param_bytes = 6.0
+    sol = st.solve_stages(blocks, 2, "gpipe", 1, 1, 1.0, 10.0)
+    assert sol.cuts == [1] and max(sol.rank_memory) <= 10.0
+    assert st.solve_stages(blocks, 2, "gpipe", 1, 1, 1.0, 5.0) is None
+
+
+def test_prefers_more_microbatches_when_the_bubble_dominates():
+    """Compute that shrinks with the microbatch: the fill and drain cost less with more
+    microbatches, so the solver takes as many as the batch allows."""
+    best = st.choose(chain([1e-2] * 8, fixed=1e-6), 4, 64, 64, None, schedule="1f1b")
+    assert best.microbatches == 64 and best.bubble == pytest.approx(3 / 64)
+
+
+def test_prefers_few_microbatches_when_overheads_dominate():
+    """Per-microbatch costs that do not shrink (launches, message latency) favour fewer."""
+    best = st.choose(chain([1e-4] * 8, fixed=1e-4, cut=1e-3, cut_fixed=1e-3), 4, 64, 64,
+                     None, schedule="1f1b")
+    assert best.microbatches == 4
+
+
+def test_prefers_interleaving_when_the_bubble_dominates():
+    """With the microbatch count fixed and cheap sends, virtual stages shrink the bubble."""
+    best = st.choose(chain([1e-3] * 8), 4, 4, 4, None, microbatches=4)
+    assert best.schedule == "interleaved" and best.virtual_stages == 2
+    assert best.bubble == pytest.approx(3 / 8)
+    # Sends that cost as much as a block: more cuts no longer pay.
+    slow = st.choose(chain([1e-3] * 8, cut=2e-3, cut_fixed=2e-3), 4, 4, 4, None,
+                     microbatches=4)
+    assert slow.schedule != "interleaved"
+
+
+def test_memory_of_in_flight_microbatches_picks_the_schedule():
+    """GPipe keeps every microbatch's activations; 1F1B at most p of them. Equal in time, 1F1B
+    wins the tie on memory; under a budget only 1F1B fits."""
+    blocks = chain([1e-3] * 4, acts=1.0)
+    best = st.choose(blocks, 2, 8, 8, None, microbatches=8, schedule=("gpipe", "1f1b"))
+    assert best.schedule == "1f1b"
+    gpipe = st.solve_stages(blocks, 2, "gpipe", 8, 1, 1 / 8, None)
+    assert max(gpipe.rank_memory) == pytest.approx(2 * 8 / 8)  # 2 blocks x 8 microbatches of 1/8
+    assert st.solve_stages(blocks, 2, "gpipe", 8, 1, 1 / 8, 1.5) is None
+    assert st.choose(blocks, 2, 8, 8, 1.5, microbatches=8, schedule="1f1b").schedule == "1f1b"
+
+
+def test_too_many_stages_is_a_clear_error():
+    with pytest.raises(StageError, match="only 3 layer blocks"):
+        st.choose(chain([1e-3] * 3), 4, 8, 8, None)
+
+
+def test_batch_not_divisible_is_a_clear_error():
+    with pytest.raises(StageError, match="batch of 6 does not split into 4 microbatches"):
+        st.choose(chain([1e-3] * 4), 2, 6, 6, None, microbatches=4)
+
+
+def test_no_cut_fits_is_a_clear_error():
+    blocks = chain([1e-3] * 4, params=10.0)
+    with pytest.raises(StageError, match="cannot be cut inside a block"):
+        st.choose(blocks, 2, 4, 4, 15.0)
+
+
+# -- layer blocks ------------------------------------------------------------------------------
+
+def _graph(name, mesh_shape=(1,)):
+    model, loss_fn, (x, y) = rank_tasks.build(name)
+    program = trace(model, (x,), loss_fn, y)
+    return program, strategies.build(program, mesh_shape)
+
+
+def test_layer_blocks_of_the_gpt():
+    program, graph = _graph("gpt")
+    blocks = layer_blocks(program, graph)
+    assert blocks.names == ["before h.0", "h.0", "h.1", "after h.1"]
+    ops = {graph.nodes[n].op: b for n, b in blocks.of_node.items()}
+    assert ops["embedding.default"] == 0 and ops["cross_entropy_loss.default"] == 3
+    order = [blocks.of_node[n] for n in graph.nodes if n in blocks.of_node]
+    assert order == sorted(order)  # contiguous in graph order
+
+
+def test_layer_blocks_of_llama_and_of_a_sequential():
+    program, graph = _graph("hf_llama")
+    assert [n.split(".")[-1] for n in layer_blocks(program, graph).names[1:3]] == ["0", "1"]
+    program, graph = _graph("mlp")  # nn.Sequential: Linear, GELU, Linear, GELU, Linear
+    assert layer_blocks(program, graph).names == ["net.0", "net.1", "net.2", "net.3",
+                                                  "net.4", "after net.4"]
+
+
+# -- pipelined plans (no processes) ------------------------------------------------------------
+
+def gpt_pp_plan(shape=(2,), names=("pp",), **options):
+    model, loss_fn, (x, y) = rank_tasks.build("gpt")
+    spec = autopar.MeshSpec(shape, names=names, hardware="cpu")
+    return autopar.plan(model, spec, (x, y), loss_fn=loss_fn, **options)
+
+
+def test_pipelined_plan_describes_stages():
+    plan = gpt_pp_plan(microbatches=2, schedule="1f1b")
+    pipe = plan.pipeline
+    assert (pipe.schedule, pipe.microbatches, pipe.num_stages) == ("1f1b", 2, 2)
+    assert pipe.bubble == pytest.approx(0.5)
+    assert len(pipe.rank_memory) == 2 and len(pipe.stage_time) == 2
+    assert pipe.in_flight == [2, 1]
+    stages = [o.stage for o in plan.ops]
+    assert stages == sorted(stages) and set(stages) == {0, 1}
+    assert plan.cost.step_time == pytest.approx(plan.cost.compute
+                                                + plan.cost.communication_total)
+    assert plan.cost.step_time == pytest.approx(
+        st.step_time(pipe.stage_time, [0, 0], 2, 2, 1), rel=1e-6)
+    assert {c.kind for c in plan.collectives if c.mesh_dim == 0} == {"p2p"}
+    text = str(plan)
+    assert "pipeline: 2 stages" in text and "bubble 0.500" in text and "pp rank 1" in text
+    loaded = autopar.Plan.from_dict(plan.to_dict())
+    assert loaded.hash() == plan.hash() and loaded.to_dict() == plan.to_dict()
+
+
+def test_plan_hash_covers_the_pipeline():
+    assert gpt_pp_plan(microbatches=2, schedule="gpipe").hash() != \
+        gpt_pp_plan(microbatches=2, schedule="1f1b").hash()
+
+
+def test_pp_by_dp_placements_are_over_the_other_dimension():
+    plan = gpt_pp_plan((2, 2), ("pp", "dp"), microbatches=2, force={"dp": "data"})
+    assert all(len(p) == 1 for p in plan.parameters.values())
+    assert plan.submesh_shape == (2,)
+    assert {c.mesh_dim for c in plan.collectives if c.kind == "all_reduce"} == {1}
+
+
+def test_three_dimensional_mesh_plans_each_stage_on_dp_by_tp():
+    plan = gpt_pp_plan((2, 2, 2), ("pp", "dp", "tp"), microbatches=2)
+    assert plan.submesh_shape == (2, 2) and plan.pipeline.num_stages == 2
+    assert all(len(p) == 2 for p in plan.parameters.values())
+    assert {c.mesh_dim for c in plan.collectives if c.kind == "p2p"} == {0}
+
+
+def test_identical_stages_are_solved_once(monkeypatch):
+    calls = []
+    real = st.solve
+
+    def counting(graph, *args, **kwargs):
+        calls.append(len(graph.nodes))
+        return real(graph, *args, **kwargs)
+
+    torch.manual_seed(0)
+    model = ResidualMLP(16, 8)
+    x = torch.randn(8, 4, 16)
+    spec = autopar.MeshSpec((4,), names=("pp",), hardware="h100")
+    monkeypatch.setattr(st, "solve", counting)
+    plan = autopar.plan(model, spec, (x, x), loss_fn=nn.functional.mse_loss, microbatches=4,
+                        schedule="1f1b")
+    assert plan.pipeline.cuts == [2, 4, 6]
+    # Block pricing: the first layer (its input is the user's, needing no gradient), the
+    # other seven (alike), the loss; stages: the first, the two middle ones (identical), the
+    # last.
+    assert len(calls) == 3 + 3
+
+
+def test_a_llama_plan_shrinks_the_bubble():
+    """On simulated H100s the layers of this Llama dominate per-microbatch overheads: rather
+    than one microbatch (bubble (p - 1) / 1), the solver takes more or interleaves stages."""
+    with torch.device("meta"):
+        model = hf_llama(num_hidden_layers=4, hidden_size=1024, num_attention_heads=8,
+                         num_key_value_heads=4, intermediate_size=2048, vocab_size=512,
+                         max_position_embeddings=256)
+    x = torch.zeros(16, 256, dtype=torch.long, device="meta")
+    spec = autopar.MeshSpec((2, 2), names=("pp", "tp"), hardware="h100")
+    plan = autopar.plan(model, spec, (x, x), loss_fn=lm_loss)
+    pipe = plan.pipeline
+    assert pipe.microbatches * pipe.virtual_stages >= 4 and pipe.bubble <= 0.25
+    assert pipe.bubble == pytest.approx(st.bubble_fraction(pipe.schedule, 2, pipe.microbatches,
+                                                           pipe.virtual_stages))
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+def test_more_stages_than_layer_blocks():
+    with pytest.raises(StageError, match="only 4 layer blocks"):
+        gpt_pp_plan((8,), ("pp",), microbatches=4)
+
+
+def test_batch_not_divisible_into_microbatches():
+    with pytest.raises(StageError, match="does not split into 3 microbatches"):
+        gpt_pp_plan(microbatches=3)
+
+
+def test_a_model_without_layers_cannot_be_cut():
+    model = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    spec = autopar.MeshSpec((2,), names=("pp",), hardware="cpu")
+    with pytest.raises(StageError, match="only 1 layer blocks"):
+        autopar.plan(model, spec, (x, x), loss_fn=nn.functional.mse_loss)
+
+
+def test_a_block_too_big_for_the_budget():
+    model, loss_fn, (x, y) = rank_tasks.build("gpt")
+    spec = autopar.MeshSpec((2,), names=("pp",), hardware="cpu")
+    with pytest.raises(StageError, match="cannot be cut inside a block"):
+        autopar.plan(model, spec, (x, y), loss_fn=loss_fn, microbatches=2,
+                     memory_budget=20_000)
+
+
+def test_inputs_must_share_the_batch_dimension():
+    model, loss_fn, (x, y) = rank_tasks.build("gpt")
+    spec = autopar.MeshSpec((2,), names=("pp",), hardware="cpu")
+    with pytest.raises(ValueError, match="dimension 0"):
+        autopar.plan(model, spec, (x, y[:2]), loss_fn=loss_fn)
+
+
+def test_pipeline_options_need_a_pp_dimension():
+    model, loss_fn, (x, y) = rank_tasks.build("gpt")
+    spec = autopar.MeshSpec((2,), names=("dp",), hardware="cpu")
+    with pytest.raises(ValueError, match='"pp"'):
+        autopar.plan(model, spec, (x, y), loss_fn=loss_fn, microbatches=2)
+
+
+# -- stage programs ----------------------------------------------------------------------------
+
+class _Comm:
+    shape = (2,)
+
+    def all_gather(self, x, dim, mesh_dim):
+        raise AssertionError("not run")
+
+    reduce_scatter = all_reduce = all_to_all = all_gather_many = all_gather
+
+
+def _signature(gm):
+    return [f"{n.op}:{getattr(n.target, '__name__', str(n.target))}:{len(n.args)}"
+            for n in gm.graph.nodes]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stage_programs_are_the_same_across_a_stage_group(seed):
+    """The ranks of one stage run the same program op for op (backward collective order), and
+    every value a stage needs reaches it from the one before."""
+    plan = gpt_pp_plan((2, 2), ("pp", "dp"), microbatches=2, solver="random", seed=seed)
+    model, loss_fn, (x, y) = rank_tasks.build("gpt")
+    program = trace(model, (x[:2],), loss_fn, y[:2])
+    graph = strategies.build(program, (2,))
+    choice = choice_from_plan(plan, graph)
+    blocks = layer_blocks(program, graph)
+    first = [0, *plan.pipeline.cuts]
+    stage_of = {n: max(k for k in range(2) if first[k] <= b) for n, b in blocks.of_node.items()}
+    kinds = {n: v.kind for n, v in graph.nodes.items()}
+    per_rank = []
+    for coord in range(2):
+        comm = _Comm()
+        local = rewrite(program, graph, choice, (coord,), comm)
+        per_rank.append(split_stages(local.train, graph, choice, stage_of, kinds, 2, comm))
+    for s in range(2):
+        assert _signature(per_rank[0][s].module) == _signature(per_rank[1][s].module)
+    a, b = per_rank[0]
+    assert [m.shape for m in a.sent] == [m.shape for m in b.received]
+    assert any(m.requires_grad for m in b.received)
+
+
+# -- equivalence on gloo -----------------------------------------------------------------------
+
+EQUIVALENCE = [
+    # model, mesh, names, options: every schedule, 2 and 4 stages, pp alone and pp x dp
+    ("gpt", (2,), ("pp",), {"microbatches": 2, "schedule": "1f1b"}),
+    ("hf_llama", (2,), ("pp",), {"microbatches": 2, "schedule": "interleaved"}),
+    ("gpt", (4,), ("pp",), {"microbatches": 2, "schedule": "gpipe"}),
+    ("hf_llama", (4,), ("pp",), {"microbatches": 4, "schedule": "1f1b"}),
+    ("gpt", (2, 2), ("pp", "dp"), {"microbatches": 2, "force": {"dp": "data"}}),
+    ("gpt", (2, 2), ("pp", "dp"), {"microbatches": 2, "force": {"dp": "fsdp"}}),
+    ("hf_llama", (2, 2), ("pp", "dp"), {"microbatches": 2}),
+    # 3-D: pp x dp x tp (dp of size 1 on 4 ranks), tensor parallel inside each stage
+    ("gpt", (2, 1, 2), ("pp", "dp", "tp"), {"microbatches": 2, "force": {"tp": "tensor"}}),
+    # a plan made by autopar.plan, saved and loaded, then run
+    ("gpt", (2,), ("pp",), {"microbatches": 4, "schedule": "gpipe", "given_plan": True}),
+]
+
+
+@pytest.mark.parametrize("name,shape,names,options", EQUIVALENCE,
+                         ids=[f"{m}-{'x'.join(map(str, s))}-" + "-".join(
+                             str(v) if not isinstance(v, dict) else "".join(v.values())
+                             for k, v in o.items() if k != "microbatches")
+                              for m, s, _, o in EQUIVALENCE])
+def test_pipelined_training_equals_single_device(world2, world4, name, shape, names, options):
+    world = world2 if len(shape) == 1 and shape[0] == 2 else world4
+    plan = world.run(pipeline_tasks.train_equivalence, name, shape, names, **options)[0]
+    pipe = plan["pipeline"]
+    assert pipe["microbatches"] == options["microbatches"]
+    if "schedule" in options:
+        assert pipe["schedule"] == options["schedule"]
+    stages = shape[0] * pipe["virtual_stages"]
+    assert len(pipe["cuts"]) == stages - 1
+
+
+def test_pipelined_errors_reach_every_rank(world2):
+    msgs = world2.run(pipeline_tasks.expect_error, "batch_not_divisible")
+    assert all("does not split into 3 microbatches" in m for m in msgs), msgs
+    msgs = world2.run(pipeline_tasks.expect_error, "other_batch_at_step")
+    assert all(m.startswith("ValueError") and "batches of 4" in m for m in msgs), msgs
