@@ -112,12 +112,15 @@ def main() -> None:
                 results[label] = (predicted(model, shape, names, (ids, ids), force), shape,
                                   names)
             feasible = {k: v[0] for k, v in results.items() if v[0] is not None}
-            best_label = min(feasible, key=feasible.get)
+            best_label = min(feasible, key=feasible.get) if feasible else None
             shapes = {(v[1], v[2]) for v in results.values()}
             solver = {}
             for shape, names in shapes:
                 solver[shape] = predicted(model, shape, names, (ids, ids), None)
             solver = {k: v for k, v in solver.items() if v is not None}
+            if not feasible or not solver:
+                print(f"{name} on {n} devices: no setup fits in memory", flush=True)
+                continue
             best_shape = min(solver, key=solver.get)
             ratio = solver[best_shape] / feasible[best_label]
             beats = sum(1 for v in feasible.values() if solver[best_shape] < v * 0.9999)

@@ -65,11 +65,12 @@ def run(layers: int, mesh: tuple[int, ...]) -> dict:
     graph = strategies.build(program, mesh)
     t2 = time.perf_counter()
     clusters = cluster(graph, program.graph_module)
-    sol = solve(graph, CostModel(spec), memory_budget=spec.profile.memory * 0.9,
-                clustering=clusters)
+    # planning speed, not feasibility: no memory budget (8 x 4096 tokens of Llama-8B do not fit
+    # 8 devices without pipeline stages)
+    sol = solve(graph, CostModel(spec), clustering=clusters)
     t3 = time.perf_counter()
     start = time.perf_counter()
-    plan = autopar.plan(model, spec, (ids, ids), loss_fn=loss_fn)
+    plan = autopar.plan(model, spec, (ids, ids), loss_fn=loss_fn, memory_budget=float("inf"))
     whole = time.perf_counter() - start
     return {"layers": layers, "mesh": "x".join(map(str, mesh)), "nodes": len(graph.nodes),
             "owners": len(clusters.owners()), "vars": sol.num_variables,

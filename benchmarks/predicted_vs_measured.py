@@ -2,6 +2,7 @@
 
     python benchmarks/predicted_vs_measured.py              # GPT on 4 ranks, 8 plans
     python benchmarks/predicted_vs_measured.py --tiny       # seconds: checks the mechanics
+    python benchmarks/predicted_vs_measured.py --memory     # bytes per rank, measured vs model
 
 1. Calibrate the world (autopar.calibrate on a 1-D and a 2-D mesh: links per mesh dimension and
    per-rank compute, every rank busy at once).
@@ -94,6 +95,7 @@ def run(model: str = "gpt", world_size: int = 4, rounds: int = 5, steps: int = 3
     configs = configs or CONFIGS
     own = world is None
     world = world or World(world_size)
+    load = os.getloadavg()
     try:
         world.start()
         t0 = time.perf_counter()
@@ -156,7 +158,9 @@ def run(model: str = "gpt", world_size: int = 4, rounds: int = 5, steps: int = 3
             f"{k} alpha {a * 1e6:.0f} us bw {b / 1e9:.2f} GB/s" for k, a, b in link.per_kind))
     out(f"(calibration took {calibration:.1f} s)")
     out("")
-    out(f"model {model} {spec[1]}, {world_size} gloo ranks, median of {rounds} x {steps} steps")
+    out(f"model {model} {spec[1]}, {world_size} gloo ranks on {os.cpu_count()} cores, median "
+        f"of {rounds} x {steps} steps; load average before/after: {load[0]:.1f}/"
+        f"{os.getloadavg()[0]:.1f}")
     out("")
     extra = " predicted with measured ops ms | error |" if by_ops else ""
     out("| plan | predicted ms | compute ms | comm ms | measured ms | error |" + extra)
@@ -193,6 +197,40 @@ def reprice(plan, model, example, loss_fn, op_times: dict):
     return describe(program, graph, plan.mesh, cost, choice_from_plan(plan, graph)).cost
 
 
+MEMORY_CASES = [("gpt", (4,), "data"), ("gpt", (4,), "fsdp"), ("gpt", (4,), "tensor"),
+                ("gpt", (2, 2), {"dp": "fsdp", "tp": "tensor"}), ("hf_llama", (4,), "data"),
+                ("hf_llama", (4,), "fsdp"), ("hf_llama", (4,), "tensor"),
+                ("hf_llama", (2, 2), {"dp": "fsdp", "tp": "tensor"})]
+
+
+def memory_table(world_size: int = 4, cases=None, out=print, world=None) -> list[dict]:
+    """Bytes per rank after one AdamW step, measured (parameters, gradients and optimizer
+    state summed over the rank's tensors; activations: distinct storages autograd saved) and
+    predicted by the plan, as a markdown table."""
+    own = world is None
+    world = world or World(world_size)
+    rows = []
+    try:
+        world.start()
+        for name, shape, force in cases or MEMORY_CASES:
+            r = world.run(cost_tasks.measured_memory, name, shape, force)[0]
+            rows.append({"model": name, "plan": label(shape, force), **{
+                f"{k}_{w}": r[w][k] for k in r["measured"] for w in ("measured", "predicted")}})
+    finally:
+        if own:
+            world.close()
+    kinds = ("parameters", "gradients", "optimizer", "activations")
+    out("| model | plan | " + " | ".join(f"{k} measured / predicted" for k in kinds) + " |")
+    out("| --- | --- |" + " ---: |" * len(kinds))
+    for r in rows:
+        cells = []
+        for k in kinds:
+            m, p = r[f"{k}_measured"], r[f"{k}_predicted"]
+            cells.append(f"{m:,.0f} / {p:,.0f}" + ("" if m == p else f" ({p / m - 1:+.1%})"))
+        out(f"| {r['model']} | {r['plan']} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt", choices=sorted(MODELS))
@@ -203,10 +241,14 @@ def main(argv=None) -> None:
                         help="also price the plans with op times measured on the ranks")
     parser.add_argument("--busy", type=float, default=0.0,
                         help="calibrate collectives after this many seconds of compute")
+    parser.add_argument("--memory", action="store_true",
+                        help="instead: measured vs predicted memory per rank after a step")
     parser.add_argument("--tiny", action="store_true",
                         help="a tiny model, two plans, one round: checks the mechanics")
     args = parser.parse_args(argv)
-    if args.tiny:
+    if args.memory:
+        memory_table(args.world)
+    elif args.tiny:
         run("tiny", args.world, rounds=1, steps=1,
             configs=[((args.world,), "data"), ((args.world,), "tensor")], min_time=0.001,
             sizes=(2**12, 2**16))
