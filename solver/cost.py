@@ -222,11 +222,14 @@ class CostModel:
         at `dst`: (kind, mesh dimension, bytes, seconds, "forward" or "backward"); raises
         ReshardError when there is no such resharding.
 
-        The runtime reshards a tensor once per target placement, whichever ops consume it, so
-        each of the k ops consuming it pays 1/k (exact when they consume it alike). Parameters
-        whose use is one all-gather from their storage (FSDP) are gathered together, one
-        collective per mesh dimension (one reduce-scatter of their gradients in backward), so
-        such a gather pays the link latency in proportion to its share of all parameters."""
+        Parameters whose use is one all-gather from their storage (FSDP) are gathered
+        together, one collective per mesh dimension (one reduce-scatter of their gradients in
+        backward), so such a gather pays the link latency in proportion to its share of all
+        parameters; and once per placement, whichever ops use it, so each of the k ops using
+        the parameter pays 1/k (exact when they use it alike, as tied weights do). Other
+        tensors pay each consumer's resharding in full (the runtime reshards once per target
+        placement: consumers that want the same placement of one tensor, such as q, k and v
+        projections of one input, are counted once each, an overestimate)."""
         producer = graph.nodes[consumer.inputs[slot][0]]
         idx = consumer.inputs[slot][1]
         dtype = producer.out_dtypes[idx or 0]
@@ -236,9 +239,9 @@ class CostModel:
         steps = [s for s in plan_steps(consumer.in_shapes[slot], src, dst, self.shape)
                  if self.shape[s.mesh_dim] > 1]
         facts = _graph_facts(graph)
-        share = 1.0 / max(1, facts.consumers[consumer.inputs[slot]])
         grouped = producer.kind == PARAM and len(steps) == 1 and steps[0].kind == "all_gather"
         latency = facts.param_share[producer.name] if grouped else 1.0
+        share = 1.0 / max(1, facts.consumers[consumer.inputs[slot]]) if grouped else 1.0
         out = []
         for s in steps:
             if s.kind == "slice":
@@ -405,8 +408,7 @@ class CostModel:
         """Resharding seconds on input `slot` of `consumer` from `src` to `dst`, forward and
         backward (see `edge_collectives`)."""
         producer = graph.nodes[consumer.inputs[slot][0]]
-        consumers = _graph_facts(graph).consumers[consumer.inputs[slot]]
-        if producer.kind != PARAM and consumers <= 1:
+        if producer.kind != PARAM:
             index = consumer.inputs[slot][1]
             dtype = producer.out_dtypes[index or 0]
             return self.reshard_time(consumer.in_shapes[slot], dtype, src, dst,
