@@ -174,16 +174,7 @@ class _Lazy(nn.Module):
         comm = MeshComm([self._mesh.get_group(k) for k in range(self._mesh.ndim)])
         programs = rewrite(program, graph, choice, coords, comm)
         kinds = {name: v.kind for name, v in graph.nodes.items()}
-        full = {program.params[n]: model.get_parameter(program.params[n])
-                for n in program.params}
-        constants = {}
-        for ph, key in program.buffers.items():
-            constants[ph] = program.constants[key] if key.startswith("constant:") \
-                else model.get_buffer(key)
-        if any(t.is_meta for t in list(full.values()) + list(constants.values())):
-            raise ValueError("the model's parameters are on the meta device: materialize them "
-                             "(e.g. model.to_empty(device=...) and initialize) before "
-                             "parallelize; autopar.plan works on meta models")
+        full, constants = self._full_tensors(program)
         num_inputs = len(program.inputs) - (1 if program.has_loss else 0)
         self.module = ParallelModule(chosen, programs, kinds, program.params, full, constants,
                                      comm, coords, program.out_spec, num_inputs,
