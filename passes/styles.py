@@ -51,7 +51,12 @@ def allowed_strategies(graph: StrategyGraph, styles: dict[int, str]
                     keep.add(i)
                 if _replicated_compute(graph, v, s, k, style, batch_dependent):
                     discouraged.setdefault(v.name, set()).add(i)
-            if keep:  # never leave a node without a strategy
+            if style == "fsdp" and v.kind == PARAM:
+                # FSDP shards the first dimension that splits evenly (dim 0 as FSDP2 does,
+                # where it can), when the other dimensions' styles leave that choice open.
+                first = [i for i in keep & allowed[v.name] if _first_split(v, graph, k, i)]
+                keep = set(first) or keep
+            if keep & allowed[v.name]:  # never leave a node without a strategy
                 allowed[v.name] &= keep
     out = {n: sorted(ix) for n, ix in allowed.items()
            if len(ix) < len(graph.nodes[n].strategies)}
@@ -93,6 +98,17 @@ def _ok(graph, v, s, k, style) -> bool:
                     not isinstance(s.inputs[slot][k], Shard):
                 return False
     return True
+
+
+def _first_split(v, graph, k, i) -> bool:
+    """Whether strategy `i` of parameter `v` shards, on mesh dimension `k`, the first tensor
+    dimension that splits evenly there."""
+    p = v.strategies[i].output[k]
+    if not isinstance(p, Shard):
+        return False
+    n = graph.mesh_shape[k]
+    dims = [d for d, size in enumerate(v.out_shapes[0]) if size % n == 0 and size > 1]
+    return bool(dims) and p.dim == dims[0]
 
 
 def _splits(v, graph, k) -> bool:

@@ -108,7 +108,11 @@ class _AllToAll(torch.autograd.Function):
 
 class _AllGatherMany(torch.autograd.Function):
     """Several shards gathered in one collective (FSDP parameters): each tensor i is
-    concatenated along dims[i]. Backward: one reduce-scatter of all their gradients."""
+    concatenated along dims[i]. Backward: one reduce-scatter of all their gradients.
+
+    The gathered buffer is rank-major (every rank's shards in a row), so each parameter is
+    copied out of it once, and each gradient copied into the reduce-scatter buffer once,
+    whichever dimension it is sharded on (as FSDP2's copy-in / copy-out)."""
 
     @staticmethod
     def forward(ctx, dims, group, *xs):
@@ -117,37 +121,50 @@ class _AllGatherMany(torch.autograd.Function):
         flat = torch.cat([x.reshape(-1) for x in xs])
         buf = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
         compat.all_gather_single(buf, flat, group=group)
-        buf = buf.view(n, flat.numel())
+        rows = buf.view(n, flat.numel())
         out, offset = [], 0
         for x, d in zip(xs, dims):
-            piece = buf[:, offset:offset + x.numel()].reshape(n, *x.shape)
-            shape = list(x.shape)
-            shape[d] *= n
-            out.append(piece.movedim(0, d).reshape(shape))
+            full = torch.empty(_gathered(x.shape, d, n), dtype=x.dtype, device=x.device)
+            _blocks(full, x.shape, d, n).copy_(
+                rows[:, offset:offset + x.numel()].view(n, *x.shape))
+            out.append(full)
             offset += x.numel()
         return tuple(out)
 
     @staticmethod
     def backward(ctx, *grads):
         n = dist.get_world_size(ctx.group)
-        pieces = []
-        for g, shape, d in zip(grads, ctx.shapes, ctx.dims):
-            full = list(shape)
-            full[d] *= n
+        sizes = [torch.Size(s).numel() for s in ctx.shapes]
+        ref = next(g for g in grads if g is not None)
+        src = torch.empty(n, sum(sizes), dtype=ref.dtype, device=ref.device)
+        offset = 0
+        for g, shape, d, size in zip(grads, ctx.shapes, ctx.dims, sizes):
+            block = src[:, offset:offset + size].view(n, *shape)
             if g is None:
-                g = torch.zeros(full)
-            split = [*full[:d], n, shape[d], *full[d + 1:]]
-            pieces.append(g.reshape(split).movedim(d, 0).reshape(n, -1))
-        src = torch.cat(pieces, dim=1).contiguous()
+                block.zero_()
+            else:
+                block.copy_(_blocks(g, shape, d, n))
+            offset += size
         out = torch.empty(src.shape[1], dtype=src.dtype, device=src.device)
-        compat.reduce_scatter_single(out, src.reshape(-1), group=ctx.group)
+        compat.reduce_scatter_single(out, src.view(-1), group=ctx.group)
         grads_in, offset = [], 0
-        for shape in ctx.shapes:
-            size = torch.Size(shape).numel()
+        for shape, size in zip(ctx.shapes, sizes):
             grads_in.append(out[offset:offset + size].view(shape))
             offset += size
         return (None, None, *grads_in)
 
+
+def _gathered(shape, dim: int, n: int) -> list[int]:
+    full = list(shape)
+    full[dim] *= n
+    return full
+
+
+def _blocks(full: torch.Tensor, shard_shape, dim: int, n: int) -> torch.Tensor:
+    """`full` (gathered along `dim`) as (n, *shard_shape): block r is rank r's shard (a view when
+    `full` is contiguous)."""
+    split = [*shard_shape[:dim], n, *shard_shape[dim:]]
+    return full.reshape(split).movedim(dim, 0)
 
 
 class MeshComm:
