@@ -12,6 +12,10 @@ buckets become ready, and are launched, in the same order everywhere. `finish()`
 never became ready (parameters without a gradient count as zeros), waits, writes the sums
 back, and then reduces gradients replicated on several mesh dimensions, one dimension after
 another.
+
+The loss, summed for reporting, rides in the last overlapped bucket of its first mesh
+dimension (one collective fewer per step, as a collective's latency is what a step of a small
+model on gloo pays most); without such a bucket it is all-reduced on its own, asynchronously.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class _Bucket:
         self.ready = 0
         self.work = None
         self.flat: torch.Tensor | None = None
+        self.carry: _PendingSum | None = None
 
 
 def _buckets(params: list[torch.nn.Parameter], k: int, bucket_bytes: int) -> list[_Bucket]:
@@ -65,13 +70,23 @@ class GradSync:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda p, b=b: self._on_grad(b)))
 
-    def begin(self) -> None:
+    def begin(self, report: _PendingSum | None = None) -> None:
         """Call before each backward pass. Gradients already accumulated (steps without
         zero_grad) are set aside and added back after this pass's gradients are reduced, so
-        that gradient accumulation sums each step's reduced gradient once."""
+        that gradient accumulation sums each step's reduced gradient once. A `report` (a sum
+        not yet started) is carried by the last bucket of its first mesh dimension and dtype,
+        or started at once if there is none."""
         for b in self.overlapped:
-            b.ready, b.work, b.flat = 0, None, None
+            b.ready, b.work, b.flat, b.carry = 0, None, None, None
         self._launched = []
+        self._report, self._left = None, 0
+        if report is not None and report.dims:
+            k, dtype = report.dims[0], report.value.dtype
+            self._left = sum(1 for b in self.overlapped
+                             if b.mesh_dim == k and b.params[0].dtype == dtype)
+            self._report = report if self._left else None
+            if not self._left:
+                report.start()
         self._stash = {}
         for b in self.overlapped + self.later:
             for p in b.params:
@@ -85,8 +100,15 @@ class GradSync:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        b.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                            for p in b.params])
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                 for p in b.params]
+        r = self._report
+        if r is not None and b.mesh_dim == r.dims[0] and b.params[0].dtype == r.value.dtype:
+            self._left -= 1
+            if not self._left:  # the last such bucket of this step: the loss rides along
+                grads.append(r.value.reshape(-1))
+                b.carry = r
+        b.flat = torch.cat(grads)
         b.work = compat.all_reduce(b.flat, group=self.groups[b.mesh_dim], async_op=True)
         self._launched.append(b)
 
@@ -98,6 +120,8 @@ class GradSync:
         for b in self._launched:
             b.work.wait()
             _write_back(b)
+            if b.carry is not None:
+                b.carry.landed(b.flat[b.flat.numel() - b.carry.value.numel():])
         for k in sorted({b.mesh_dim for b in self.later}):
             batch = [b for b in self.later if b.mesh_dim == k]
             for b in batch:
@@ -117,7 +141,7 @@ def _write_back(b: _Bucket) -> None:
         n = p.numel()
         g = b.flat[offset:offset + n].view_as(p)
         if p.grad is None:
-            p.grad = g.clone()
+            p.grad = g  # a view of this step's bucket (a new buffer every step)
         else:
             p.grad.copy_(g)
         offset += n
@@ -128,17 +152,36 @@ class _PendingSum:
 
     def __init__(self, x: torch.Tensor, groups: list, dims: list[int]):
         self.value, self.groups, self.dims = x.detach().clone(), groups, list(dims)
-        self.work = dist.all_reduce(self.value, group=groups[self.dims[0]], async_op=True) \
-            if self.dims else None
+        self.work = None
+        self._rest = list(dims)  # dimensions still to sum when wait() is called
+
+    def start(self) -> None:
+        """Launch the sum over the first dimension asynchronously."""
+        if self._rest:
+            self.work = dist.all_reduce(self.value, group=self.groups[self._rest[0]],
+                                        async_op=True)
+            self._rest = self._rest[1:]
+
+    def landed(self, summed: torch.Tensor) -> None:
+        """The sum over the first dimension, computed elsewhere (a gradient bucket)."""
+        self.value.copy_(summed.view_as(self.value))
+        self._rest = self._rest[1:]
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
-            for k in self.dims[1:]:
-                dist.all_reduce(self.value, group=self.groups[k])
+            self.work = None
+        for k in self._rest:
+            dist.all_reduce(self.value, group=self.groups[k])
+        self._rest = []
         return self.value
 
 
-def start_all_reduce(x: torch.Tensor, groups: list, dims: list[int]) -> _PendingSum:
-    """Begin summing a detached tensor over the given mesh dimensions (for reporting)."""
-    return _PendingSum(x, groups, dims)
+def start_all_reduce(x: torch.Tensor, groups: list, dims: list[int],
+                     start: bool = True) -> _PendingSum:
+    """Begin summing a detached tensor over the given mesh dimensions (for reporting); with
+    `start=False` nothing is launched yet (see GradSync.begin)."""
+    pending = _PendingSum(x, groups, dims)
+    if start:
+        pending.start()
+    return pending

@@ -103,9 +103,9 @@ class ParallelModule(nn.Module):
             target = None
         self._check_inputs(tuple(inputs))
         (loss,) = self._programs.train(*self._feed(tuple(inputs), target))
-        # the loss value is summed for reporting while backward runs
-        report = start_all_reduce(loss, self._comm.groups, self._loss_partial_dims)
-        self._grad_sync.begin()
+        # the loss value is summed for reporting while backward runs (in a gradient bucket)
+        report = start_all_reduce(loss, self._comm.groups, self._loss_partial_dims, start=False)
+        self._grad_sync.begin(report)
         loss.backward(torch.full_like(loss, self._loss_seed))
         self._grad_sync.finish()
         return report.wait()
