@@ -22,8 +22,14 @@ are then grouped the way `MeshSpec.link` maps them (inside a node or across node
 with the number of ranks per host found from the host names) and one link is fitted per group.
 Per-rank compute is measured with every rank busy at once (ranks sharing a machine share its
 cores and memory bandwidth): dense matmul flop/s per dtype, elementwise memory bandwidth, and the
-fixed cost of an op (forward + backward, per op) and of a view. Every rank returns the same
-profile (measurements are gathered, each taking the slowest rank's time).
+fixed cost of an op (forward + backward, per op) and of a view. Those are then checked against
+a training step of a small transformer (`_Probe`: embedding, attention, MLP, norms, a
+cross-entropy head), timed on every rank at once: the step takes longer than the cost model
+predicts from the op figures alone (allocation, autograd's bookkeeping, caches that a whole step
+overflows), and the ratio, `compute_efficiency` in the calibration details, scales the compute
+figures (flop/s and bandwidth divided by it, op and view costs multiplied) so that the model
+predicts the probe's step. Every rank returns the same profile (measurements are gathered, each
+taking the slowest rank's time).
 """
 
 from __future__ import annotations
@@ -128,9 +134,19 @@ def calibrate(mesh, hardware: str | HardwareProfile | None = None, *,
                 flops[dtype] = figures[f"matmul_{dtype}"]
         profile = replace(profile, flops=flops, memory_bandwidth=figures["bandwidth"],
                           launch=figures["launch"], view_launch=figures["view"])
+        figures.update(_probe_step(profile, device, compute_time))
+        profile = _scaled(profile, figures["compute_efficiency"])
         measured["compute"] = figures
     return replace(profile, name=base.name + "-calibrated", devices_per_node=per_node,
                    measured=measured)
+
+
+def _scaled(profile: HardwareProfile, factor: float) -> HardwareProfile:
+    """`profile` with compute `factor` times slower (flop/s and bandwidth divided, op and view
+    costs multiplied)."""
+    return replace(profile, flops={k: v / factor for k, v in profile.flops.items()},
+                   memory_bandwidth=profile.memory_bandwidth / factor,
+                   launch=profile.launch * factor, view_launch=profile.view_launch * factor)
 
 
 def fit_link(points: list[tuple[str, int, float]], n: int | list[int]) -> tuple[float, float]:
@@ -283,3 +299,54 @@ def _compute(device, seconds: float) -> dict[str, float]:
     v = torch.ones(4, 4, device=device)
     out["view"] = _slowest(_repeat(lambda: v.view(16), seconds / 2, sync))
     return out
+
+
+class _Probe(torch.nn.Module):
+    """One pre-norm transformer block with an embedding and a cross-entropy head: the op mix of
+    the models autopar plans, small enough to time in a fraction of a second."""
+
+    def __init__(self, vocab: int, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.norm1 = torch.nn.LayerNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.norm2 = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, 4 * hidden)
+        self.down = torch.nn.Linear(4 * hidden, hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids, targets):
+        b, t = ids.shape
+        x = self.emb(ids)
+        q, k, v = self.qkv(self.norm1(x)).split(x.shape[-1], dim=-1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _probe_step(profile: HardwareProfile, device, seconds: float) -> dict[str, float]:
+    """Time a training step (forward + backward) of `_Probe` on every rank at once, and the
+    ratio of that time to the cost model's prediction from `profile` on one device."""
+    from .api import plan
+    big = device.type != "cpu"
+    vocab, hidden, heads, batch, seq = (32768, 2048, 16, 8, 1024) if big else \
+        (2048, 256, 4, 4, 128)
+    gen = torch.Generator().manual_seed(0)
+    with torch.device(device):
+        model = _Probe(vocab, hidden, heads)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(ids, ids).backward()
+
+    measured = _slowest(_repeat(step, seconds, _sync(device), dist.group.WORLD))
+    spec = MeshSpec((1,), hardware=profile)
+    predicted = plan(model, spec, (ids, ids)).cost.compute
+    return {"probe_step": measured, "probe_predicted": predicted,
+            "compute_efficiency": max(1.0, measured / predicted)}

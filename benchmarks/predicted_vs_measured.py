@@ -47,6 +47,8 @@ CONFIGS = [
 MODELS = {
     "gpt": ("gpt", {"vocab_size": 512, "block_size": 64, "n_layer": 2, "n_head": 4,
                     "n_embd": 128, "batch": 8}),
+    "mid": ("gpt", {"vocab_size": 2048, "block_size": 128, "n_layer": 2, "n_head": 4,
+                    "n_embd": 256, "batch": 8}),
     "tiny": ("gpt", {"vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 4,
                      "n_embd": 32, "batch": 4}),
 }
@@ -233,7 +235,7 @@ def memory_table(world_size: int = 4, cases=None, out=print, world=None) -> list
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt", choices=sorted(MODELS))
+    parser.add_argument("--model", default="mid", choices=sorted(MODELS))
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
