@@ -55,8 +55,9 @@ def state_bytes(params, opt) -> int:
     return total
 
 
-def setups(model, mesh, x, y):
-    """name -> (step function, params, optimizer), built lazily."""
+def setups(model, mesh, x, y, calibrated=None):
+    """name -> (step function, params, optimizer), built lazily; with a `calibrated` profile
+    (autopar.calibrate of `mesh`) the solver also plans with it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = x.shape[0] // world
     xl, yl = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
@@ -89,19 +90,23 @@ def setups(model, mesh, x, y):
         parallelize_module(m, mesh, plan)
         return lambda: loss_fn(m(x), y).backward(), list(m.parameters())
 
-    def autopar_with(force):
+    def autopar_with(force, hardware=None):
         def build():
             pm = autopar.parallelize(copy.deepcopy(model), mesh, loss_fn=loss_fn,
-                                     example_inputs=(x, y), force=force)
+                                     example_inputs=(x, y), force=force, hardware=hardware)
             return lambda: pm.step(x, y), list(pm.parameters())
         return build
 
-    return {"DDP": ddp, "autopar data": autopar_with("data"), "FSDP2": fsdp2,
-            "autopar fsdp": autopar_with("fsdp"), "DTensor TP": dtensor_tp,
-            "autopar tensor": autopar_with("tensor"), "autopar solver": autopar_with(None)}
+    out = {"DDP": ddp, "autopar data": autopar_with("data"), "FSDP2": fsdp2,
+           "autopar fsdp": autopar_with("fsdp"), "DTensor TP": dtensor_tp,
+           "autopar tensor": autopar_with("tensor"), "autopar solver": autopar_with(None)}
+    if calibrated is not None:
+        out["autopar solver (calibrated)"] = autopar_with(None, calibrated)
+    return out
 
 
-def worker(rank: int, port: int, cfg: BenchConfig, batch: int, steps: int, out: dict) -> None:
+def worker(rank: int, port: int, cfg: BenchConfig, batch: int, steps: int, out: dict,
+           calibrate: bool = True) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -111,8 +116,15 @@ def worker(rank: int, port: int, cfg: BenchConfig, batch: int, steps: int, out: 
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
     y = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
+    calibrated = autopar.calibrate(mesh) if calibrate else None
+    if calibrated is not None and rank == 0:
+        c = calibrated.measured["compute"]
+        print(f"calibrated: link alpha {calibrated.intra_node.alpha * 1e6:.0f} us, bandwidth "
+              f"{calibrated.intra_node.bandwidth / 1e9:.2f} GB/s; float32 "
+              f"{calibrated.flops['float32'] / 1e9:.1f} GFLOP/s per rank (compute efficiency "
+              f"{c['compute_efficiency']:.2f})", flush=True)
     steppers, states = {}, {}
-    for name, build in setups(model, mesh, x, y).items():
+    for name, build in setups(model, mesh, x, y, calibrated).items():
         step_fn, params = build()
         opt = torch.optim.AdamW(params, lr=1e-4)
 
@@ -152,6 +164,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="skip the solver's plan on a calibrated profile")
     a = ap.parse_args()
     cfg = BenchConfig(a.vocab, a.seq, a.layers, a.heads, a.hidden)
     n_params = sum(p.numel() for p in BenchGPT(cfg).parameters())
@@ -159,7 +173,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = mp.Manager().dict()
-    mp.spawn(worker, args=(port, cfg, a.batch, a.steps, out), nprocs=WORLD)
+    mp.spawn(worker, args=(port, cfg, a.batch, a.steps, out, not a.no_calibrate),
+             nprocs=WORLD)
     res = dict(out)
     best = min(res[k][0] for k in ("DDP", "FSDP2", "DTensor TP"))
     print(f"\nGPT {n_params / 1e6:.1f}M parameters, batch {a.batch}x{a.seq}, {WORLD} gloo ranks "
@@ -171,9 +186,11 @@ def main() -> None:
         (tb, mb), (to, mo) = res[base], res[ours]
         print(f"| {base} vs {ours} | {tb * 1e3:.0f} | {to * 1e3:.0f} | {to / tb:.2f} | "
               f"{mb / 2**20:.1f} | {mo / 2**20:.1f} |")
-    ts, ms = res["autopar solver"]
-    print(f"| best baseline vs autopar solver | {best * 1e3:.0f} | {ts * 1e3:.0f} | "
-          f"{ts / best:.2f} | | {ms / 2**20:.1f} |")
+    for name in ("autopar solver", "autopar solver (calibrated)"):
+        if name in res:
+            ts, ms = res[name]
+            print(f"| best baseline vs {name} | {best * 1e3:.0f} | {ts * 1e3:.0f} | "
+                  f"{ts / best:.2f} | | {ms / 2**20:.1f} |")
 
 
 if __name__ == "__main__":

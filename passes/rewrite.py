@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.solver.reshard import plan_steps
+from autopar.solver.reshard import BUCKET_BYTES, plan_steps
 
 from .placement import Placements, R, local_shape
 from .rules import LOWERINGS, LocalContext, TensorArg
@@ -98,15 +98,17 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
     gathered = False
     for node in program.graph.nodes:
         if node.op != "placeholder" and not gathered:
-            # All parameters whose use is one all-gather from their storage shard (FSDP) are
-            # gathered together, one collective per mesh dimension (and one reduce-scatter of
-            # their gradients in backward) instead of one per parameter.
+            # Parameters whose use is one all-gather from their storage shard (FSDP) are
+            # gathered together in buckets, one collective per bucket and mesh dimension (and
+            # one reduce-scatter of their gradients in backward) instead of one per parameter.
             for k, uses in fsdp.items():
-                group = g.call_function(comm.all_gather_many,
-                                        ([local[(p, None)] for p, _, _ in uses],
-                                         [d for _, _, d in uses], k))
-                for i, (p, dst, _) in enumerate(uses):
-                    resharded[(p, None, dst)] = g.call_function(operator.getitem, (group, i))
+                for bucket in _buckets(uses, graph, mesh_shape):
+                    group = g.call_function(comm.all_gather_many,
+                                            ([local[(p, None)] for p, _, _ in bucket],
+                                             [d for _, _, d in bucket], k))
+                    for i, (p, dst, _) in enumerate(bucket):
+                        resharded[(p, None, dst)] = g.call_function(operator.getitem,
+                                                                    (group, i))
             gathered = True
         if node.op == "placeholder":
             placeholders.append(node.name)
@@ -190,6 +192,31 @@ def _fsdp_gathers(graph: StrategyGraph, choice: dict[str, Strategy],
             if len(steps) == 1 and steps[0].kind == "all_gather":
                 out.setdefault(steps[0].mesh_dim, []).append((u, dst, steps[0].dim))
     return out
+
+
+def _buckets(uses: list[tuple[str, Placements, int]], graph: StrategyGraph,
+             mesh_shape: tuple[int, ...]) -> list[list[tuple[str, Placements, int]]]:
+    """Consecutive parameter gathers grouped so that each group's gathered bytes stay within
+    BUCKET_BYTES (a larger parameter is a group of its own)."""
+    out: list[list] = []
+    size = 0
+    for use in uses:
+        v = graph.nodes[use[0]]
+        nbytes = _numel(local_shape(v.out_shapes[0], use[1], mesh_shape)) * \
+            v.out_dtypes[0].itemsize
+        if not out or size + nbytes > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(use)
+        size += nbytes
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _substitute(tree, values: list):

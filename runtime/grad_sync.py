@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autopar.solver.reshard import BUCKET_BYTES
+
 from . import compat
 
 
@@ -51,7 +53,7 @@ class GradSync:
     """Bucketed all-reduce of replicated parameters' gradients, overlapped with backward."""
 
     def __init__(self, params: list[tuple[torch.nn.Parameter, tuple[int, ...]]], groups: list,
-                 mesh_shape: tuple[int, ...], bucket_bytes: int = 25 * 2**20):
+                 mesh_shape: tuple[int, ...], bucket_bytes: int = BUCKET_BYTES):
         self.groups = groups
         reduced = [(p, tuple(k for k in dims if mesh_shape[k] > 1)) for p, dims in params]
         self.overlapped: list[_Bucket] = []

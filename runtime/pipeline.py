@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.passes.pipeline_split import StageProgram, ValueMeta
 from autopar.passes.placement import R, local_shape, local_slices
-from autopar.solver.reshard import plan_steps
+from autopar.solver.reshard import BUCKET_BYTES, plan_steps
 
 from . import compat
 from .collectives import MeshComm
@@ -316,7 +316,7 @@ class PipelineModule(nn.Module):
         return out
 
 
-def _sum_grads(params: list[nn.Parameter], group, bucket_bytes: int = 25 * 2**20) -> None:
+def _sum_grads(params: list[nn.Parameter], group, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Sum the gradients of `params` over `group` (missing gradients count as zeros), in
     buckets of at most `bucket_bytes` per dtype, all in flight together."""
     buckets: list[list[nn.Parameter]] = []

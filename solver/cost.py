@@ -39,7 +39,7 @@ from autopar.passes.rules import LOWERINGS, TensorArg
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, SNode, Strategy, StrategyGraph
 
 from . import memory as mem
-from .reshard import ReshardError, Step, plan_steps
+from .reshard import BUCKET_BYTES, ReshardError, Step, plan_steps
 
 ALGO_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -144,7 +144,7 @@ class CostModel:
     """
 
     def __init__(self, mesh, optimizer: str | OptimizerSpec | None = None,
-                 bucket_bytes: float = 25 * 2**20, *, graph: StrategyGraph | None = None,
+                 bucket_bytes: float = BUCKET_BYTES, *, graph: StrategyGraph | None = None,
                  precision: str | Precision | None = None,
                  measured: Mapping[str, tuple[float, float]] | None = None):
         self.mesh = mesh
@@ -223,10 +223,11 @@ class CostModel:
         ReshardError when there is no such resharding.
 
         Parameters whose use is one all-gather from their storage (FSDP) are gathered
-        together, one collective per mesh dimension (one reduce-scatter of their gradients in
-        backward), so such a gather pays the link latency in proportion to its share of all
-        parameters; and once per placement, whichever ops use it, so each of the k ops using
-        the parameter pays 1/k (exact when they use it alike, as tied weights do). Other
+        together in buckets, one collective per bucket and mesh dimension (one reduce-scatter
+        of their gradients in backward), so such a gather pays the link latency in proportion
+        to its share of a bucket (see `_bucket_share`); and once per placement, whichever ops
+        use it, so each of the k ops using the parameter pays 1/k (exact when they use it
+        alike, as tied weights do). Other
         tensors pay each consumer's resharding in full (the runtime reshards once per target
         placement: consumers that want the same placement of one tensor, such as q, k and v
         projections of one input, are counted once each, an overestimate)."""
@@ -240,7 +241,8 @@ class CostModel:
                  if self.shape[s.mesh_dim] > 1]
         facts = _graph_facts(graph)
         grouped = producer.kind == PARAM and len(steps) == 1 and steps[0].kind == "all_gather"
-        latency = facts.param_share[producer.name] if grouped else 1.0
+        latency = self._bucket_share(graph, producer, self.step_bytes(steps[0], dtype)) \
+            if grouped else 1.0
         share = 1.0 / max(1, facts.consumers[consumer.inputs[slot]]) if grouped else 1.0
         out = []
         for s in steps:
@@ -359,10 +361,7 @@ class CostModel:
         all) its share of all parameters, when the cost model knows the graph."""
         nbytes = self.nbytes(local_shape(node.out_shapes[0], storage, self.shape),
                              node.out_dtypes[0])
-        share = nbytes / self.bucket_bytes
-        if self.graph is not None and node.name in self.graph.nodes:
-            share = max(share, _graph_facts(self.graph).param_share[node.name])
-        share = min(1.0, share)
+        share = self._bucket_share(self.graph, node, nbytes)
         out = []
         for k, p in enumerate(storage):
             if isinstance(p, Replicate) and self.shape[k] > 1:
@@ -370,6 +369,15 @@ class CostModel:
                 out.append((k, nbytes, alpha * share + ALGO_FACTOR["all_reduce"](
                     self.shape[k]) * nbytes / bandwidth))
         return out
+
+    def _bucket_share(self, graph: StrategyGraph | None, node: SNode, nbytes: float) -> float:
+        """The share of one bucketed collective's latency a parameter of `nbytes` pays:
+        bytes / bucket_bytes, or (a model smaller than one bucket: one collective for all) its
+        share of all parameters, when the graph is known."""
+        share = nbytes / self.bucket_bytes
+        if graph is not None and node.name in graph.nodes:
+            share = max(share, _graph_facts(graph).param_share[node.name])
+        return min(1.0, share)
 
     def param_memory_split(self, node: SNode, storage: Placements) -> dict[str, float]:
         """Bytes per device of a parameter, its gradient and its optimizer state."""

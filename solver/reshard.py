@@ -21,6 +21,11 @@ from dataclasses import dataclass
 
 from autopar.passes.placement import Placements, R, Replicate, Shard, is_partial, shard_dims
 
+# Collectives over many small tensors (gradient synchronization, FSDP parameter gathers) are
+# grouped into buckets of about this many bytes, as DDP does: one latency per bucket, and
+# buffers small enough for the allocator to reuse from step to step.
+BUCKET_BYTES = 25 * 2**20
+
 
 class ReshardError(ValueError):
     """A placement change autopar does not express (to a pending sum)."""
