@@ -50,7 +50,7 @@ from .hardware import HardwareProfile, Link, get_profile
 from .mesh import MeshSpec
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-CPU_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22)
+CPU_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22, 2**24)
 GPU_SIZES = (2**16, 2**20, 2**24, 2**26, 2**28)
 
 __all__ = ["calibrate", "fit_link"]
@@ -63,7 +63,7 @@ def calibrate(mesh, hardware: str | HardwareProfile | None = None, *,
     """Measure `mesh` (a torch DeviceMesh; a collective: call on every rank) and return
     `hardware` (default: "cpu" for a CPU mesh, "h100" otherwise) with measured links,
     devices per node and (with `compute`) per-rank compute figures. `sizes` are the message
-    sizes in bytes (default: 4 KiB to 4 MiB on CPUs, 64 KiB to 256 MiB on GPUs); each
+    sizes in bytes (default: 4 KiB to 16 MiB on CPUs, 64 KiB to 256 MiB on GPUs); each
     measurement repeats its collective for at least `min_time` seconds, and each compute
     measurement its op for `compute_time` seconds. With `busy` seconds every collective is
     timed after that much compute, and the compute subtracted (an experiment: on this kind of
