@@ -472,19 +472,13 @@ def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> P
             out.time_fixed += launch * (2 if grad else 1)
         out.memory["activations"] += cost.activation_memory(v, s)
         for slot, (u, idx) in enumerate(v.inputs):
-            producer = sub.nodes[u]
             src, dst = choice[u].out(idx), s.inputs[slot]
             out.memory["activations"] += cost.edge_memory(sub, v, slot, src, dst)
-            dtype = producer.out_dtypes[idx or 0]
-            grad = producer.requires_grad and dtype.is_floating_point
-            for step in cost.reshard_steps(v.in_shapes[slot], src, dst):
-                if step.kind == "slice":
-                    continue
-                t = cost.collective_time(step.kind, step.mesh_dim, cost.step_bytes(step, dtype))
-                out.communication[step.kind] = out.communication.get(step.kind, 0.0) + \
-                    t * (2 if grad else 1)
-                out.time_fixed += cost.collective_time(step.kind, step.mesh_dim, 0) * (
-                    2 if grad else 1)
+            # The intra-op ILP's price of the edge (forward and backward collectives), whose
+            # latency part does not shrink with the microbatch.
+            for kind, k, _, t, _ in cost.edge_collectives(sub, v, slot, src, dst):
+                out.communication[kind] = out.communication.get(kind, 0.0) + t
+                out.time_fixed += min(t, cost.collective_time(kind, k, 0))
     if sub.loss is not None:
         name, idx = sub.loss
         t = loss_sink_time(cost, sub.nodes[name], choice[name].out(idx), idx)
