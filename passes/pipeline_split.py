@@ -233,8 +233,9 @@ def split_stages(gm: fx.GraphModule, graph: StrategyGraph, choice: dict[str, Str
 
 def _ungrouped(graph: fx.Graph, comm) -> fx.Graph:
     """A copy of `graph` in which each grouped parameter all-gather (`all_gather_many`, which
-    gathers every FSDP parameter of the program at its start) is one all-gather per
-    parameter, placed before the parameter's first use, so that each stage gathers its own."""
+    waits for a bucket of FSDP parameters started at the program's start) is one all-gather
+    per parameter, placed before the parameter's first use, so that each stage gathers its
+    own."""
     out = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     result = out.graph_copy(graph, env)
@@ -243,7 +244,8 @@ def _ungrouped(graph: fx.Graph, comm) -> fx.Graph:
         if not (n.op == "call_function" and getattr(n.target, "__self__", None) is comm
                 and getattr(n.target, "__name__", "") == "all_gather_many"):
             continue
-        xs, dims, k = n.args
+        xs, dims, k = n.args[:3]
+        started = n.args[3] if len(n.args) > 3 else None
         for item in list(n.users):
             i = item.args[1]
             if not item.users:
@@ -255,6 +257,8 @@ def _ungrouped(graph: fx.Graph, comm) -> fx.Graph:
             item.replace_all_uses_with(single)
             out.erase_node(item)
         out.erase_node(n)
+        if isinstance(started, fx.Node) and not started.users:  # its prefetch, unneeded now
+            out.erase_node(started)
     return out
 
 

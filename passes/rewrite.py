@@ -37,8 +37,9 @@ class CommOps(Protocol):
     def all_reduce(self, x: torch.Tensor, mesh_dim: int) -> torch.Tensor: ...
     def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int,
                    mesh_dim: int) -> torch.Tensor: ...
-    def all_gather_many(self, xs: list[torch.Tensor], dims: list[int],
-                        mesh_dim: int) -> tuple[torch.Tensor, ...]: ...
+    def all_gather_start(self, xs: list[torch.Tensor], dims: list[int], mesh_dim: int): ...
+    def all_gather_many(self, xs: list[torch.Tensor], dims: list[int], mesh_dim: int,
+                        started=None) -> tuple[torch.Tensor, ...]: ...
 
 
 @dataclass
@@ -73,6 +74,14 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
 
     def reshard(name: str, idx, shape, src: Placements, dst: Placements) -> fx.Node:
         key = (name, idx, dst)
+        if key not in resharded and key in prefetched:
+            # The first use of a gathered bucket: wait for its all-gather here.
+            k, started, bucket = prefetched[key]
+            group = g.call_function(comm.all_gather_many,
+                                    ([local[(p, None)] for p, _, _ in bucket],
+                                     [d for _, _, d in bucket], k, started))
+            for i, (p, d, _) in enumerate(bucket):
+                resharded[(p, None, d)] = g.call_function(operator.getitem, (group, i))
         if key in resharded:
             return resharded[key]
         x = value(name, idx)
@@ -95,20 +104,22 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
         return x
 
     fsdp = _fsdp_gathers(graph, choice, mesh_shape)
+    prefetched: dict[tuple[str, Any, Placements], tuple[int, fx.Node, list]] = {}
     gathered = False
     for node in program.graph.nodes:
         if node.op != "placeholder" and not gathered:
             # Parameters whose use is one all-gather from their storage shard (FSDP) are
             # gathered together in buckets, one collective per bucket and mesh dimension (and
             # one reduce-scatter of their gradients in backward) instead of one per parameter.
+            # Every bucket's gather starts here, asynchronously, in order of first use; the
+            # program waits for a bucket just before its first use (prefetching).
             for k, uses in fsdp.items():
                 for bucket in _buckets(uses, graph, mesh_shape):
-                    group = g.call_function(comm.all_gather_many,
-                                            ([local[(p, None)] for p, _, _ in bucket],
-                                             [d for _, _, d in bucket], k))
-                    for i, (p, dst, _) in enumerate(bucket):
-                        resharded[(p, None, dst)] = g.call_function(operator.getitem,
-                                                                    (group, i))
+                    started = g.call_function(comm.all_gather_start,
+                                              ([local[(p, None)] for p, _, _ in bucket],
+                                               [d for _, _, d in bucket], k))
+                    for p, dst, _ in bucket:
+                        prefetched[(p, None, dst)] = (k, started, bucket)
             gathered = True
         if node.op == "placeholder":
             placeholders.append(node.name)

@@ -115,13 +115,12 @@ class _AllGatherMany(torch.autograd.Function):
     whichever dimension it is sharded on (as FSDP2's copy-in / copy-out)."""
 
     @staticmethod
-    def forward(ctx, dims, group, *xs):
+    def forward(ctx, dims, group, started, *xs):
         n = dist.get_world_size(group)
         ctx.dims, ctx.group, ctx.shapes = dims, group, [x.shape for x in xs]
-        flat = torch.cat([x.reshape(-1) for x in xs])
-        buf = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
-        compat.all_gather_single(buf, flat, group=group)
-        rows = buf.view(n, flat.numel())
+        if started is None:
+            started = _Gathering(xs, group)
+        rows = started.wait()
         out, offset = [], 0
         for x, d in zip(xs, dims):
             full = torch.empty(_gathered(x.shape, d, n), dtype=x.dtype, device=x.device)
@@ -151,7 +150,28 @@ class _AllGatherMany(torch.autograd.Function):
         for shape, size in zip(ctx.shapes, sizes):
             grads_in.append(out[offset:offset + size].view(shape))
             offset += size
-        return (None, None, *grads_in)
+        return (None, None, None, *grads_in)
+
+
+class _Gathering:
+    """An all-gather of several shards in flight (launched asynchronously): `wait()` returns
+    the gathered rows, (ranks, total shard elements)."""
+
+    def __init__(self, xs, group):
+        n = dist.get_world_size(group)
+        with torch.no_grad():
+            self.flat = torch.cat([x.detach().reshape(-1) for x in xs])
+        self.buf = torch.empty(n * self.flat.numel(), dtype=self.flat.dtype,
+                               device=self.flat.device)
+        self.work = compat.all_gather_single(self.buf, self.flat, group=group, async_op=True)
+        self.n = n
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.flat = None
+        return self.buf.view(self.n, -1)
 
 
 def _gathered(shape, dim: int, n: int) -> list[int]:
@@ -190,7 +210,14 @@ class MeshComm:
         """Trade a shard of `cat_dim` for a shard of `split_dim`."""
         return _AllToAll.apply(x, split_dim, cat_dim, self.groups[mesh_dim])
 
-    def all_gather_many(self, xs: list[torch.Tensor], dims: list[int],
-                        mesh_dim: int) -> tuple[torch.Tensor, ...]:
-        """Gather several shards in one collective (FSDP parameters), each along its dim."""
-        return _AllGatherMany.apply(tuple(dims), self.groups[mesh_dim], *xs)
+    def all_gather_start(self, xs: list[torch.Tensor], dims: list[int],
+                         mesh_dim: int) -> _Gathering:
+        """Launch the gather of several shards asynchronously (a prefetch); pass the result to
+        `all_gather_many` where the shards are first needed."""
+        return _Gathering(xs, self.groups[mesh_dim])
+
+    def all_gather_many(self, xs: list[torch.Tensor], dims: list[int], mesh_dim: int,
+                        started: _Gathering | None = None) -> tuple[torch.Tensor, ...]:
+        """Gather several shards in one collective (FSDP parameters), each along its dim; with
+        `started` (from all_gather_start) only wait for it."""
+        return _AllGatherMany.apply(tuple(dims), self.groups[mesh_dim], started, *xs)

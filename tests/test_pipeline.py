@@ -329,7 +329,7 @@ class _Comm:
     def all_gather(self, x, dim, mesh_dim):
         raise AssertionError("not run")
 
-    reduce_scatter = all_reduce = all_to_all = all_gather_many = all_gather
+    reduce_scatter = all_reduce = all_to_all = all_gather_many = all_gather_start = all_gather
 
 
 def _signature(gm):
