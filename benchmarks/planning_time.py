@@ -6,13 +6,18 @@ vocab 128256, sequence 4096, batch 8) on the meta device, planned for simulated 
 
 Prints a markdown table: seconds to trace, to enumerate strategies, to cluster and build the
 ILP, to solve it, and for the whole `autopar.plan` call (which adds describing the plan), plus
-the planner's peak memory (resident set size growth) and the ILP's size.
+the planner's peak memory and the ILP's size. Each row runs in a fresh process, so "peak MiB"
+is that process's peak resident set beyond what it held after importing torch, transformers
+and autopar and building the meta-device model.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
+import subprocess
+import sys
 import time
 
 import torch
@@ -83,11 +88,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="2,8,32")
     ap.add_argument("--meshes", default="8,2x4,8x8")
+    ap.add_argument("--one", action="store_true", help="(internal) one row, printed as JSON")
     args = ap.parse_args()
+    if args.one:
+        print(json.dumps(run(int(args.layers), tuple(int(s) for s in args.meshes.split("x")))))
+        return
     rows = []
     for layers in map(int, args.layers.split(",")):
         for m in args.meshes.split(","):
-            rows.append(run(layers, tuple(int(s) for s in m.split("x"))))
+            out = subprocess.run([sys.executable, __file__, "--one", "--layers", str(layers),
+                                  "--meshes", m], capture_output=True, text=True, check=True)
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
     cols = ["layers", "mesh", "nodes", "owners", "vars", "trace", "strategies", "build+solve",
             "plan()", "peak MiB", "step ms"]

@@ -3,6 +3,8 @@ identical order on every rank (only constants such as slice offsets differ). Bac
 collectives in autograd-graph order, so programs of different shape could deadlock."""
 
 import itertools
+import math
+import operator
 import random
 
 import pytest
@@ -51,3 +53,46 @@ def test_every_rank_runs_the_same_program(name, mesh):
         infer = [signature(p.infer) for p in programs]
         assert all(t == train[0] for t in train), f"seed {seed}: rank programs differ"
         assert all(i == infer[0] for i in infer), f"seed {seed}: rank programs differ"
+
+
+def test_fsdp_gathers_are_prefetched_in_buckets(monkeypatch):
+    """Under FSDP every bucket's all-gather starts before the first op and is waited for just
+    before its first use; buckets stay within BUCKET_BYTES (shrunk here to split a GPT)."""
+    from autopar.passes import rewrite as rewrite_mod
+    from autopar.planner import choice_from_plan, solve_plan
+
+    monkeypatch.setattr(rewrite_mod, "BUCKET_BYTES", 16 * 1024)
+    model, loss_fn, (x, y) = rank_tasks.build("gpt")
+    program = trace(model, (x,), loss_fn, y)
+    plan, graph = solve_plan(program, autopar.MeshSpec((2,), names=("dp",), hardware="cpu"),
+                             force="fsdp")
+    choice = choice_from_plan(plan, graph)
+
+    class Named(RecordingComm):
+        def all_gather_start(self, xs, dims, mesh_dim):
+            raise AssertionError("not run")
+
+        def all_gather_many(self, xs, dims, mesh_dim, started=None):
+            raise AssertionError("not run")
+
+    train = rewrite(program, graph, choice, (0,), Named()).train.graph
+    nodes = list(train.nodes)
+    starts = [i for i, n in enumerate(nodes) if getattr(n.target, "__name__", "") ==
+              "all_gather_start"]
+    waits = [n for n in nodes if getattr(n.target, "__name__", "") == "all_gather_many"]
+    assert len(starts) == len(waits) > 1
+    first_op = min(i for i, n in enumerate(nodes) if n.op == "call_function"
+                   and not isinstance(getattr(n.target, "__self__", None), Named))
+    assert max(starts) < first_op  # every gather is in flight before any compute
+    for w in waits:
+        started = w.args[3]
+        assert started.op == "call_function" and started.args[0] == w.args[0]
+        gathered = sum(math.prod(graph.nodes[p.name].out_shapes[0]) * 4 for p in w.args[0])
+        assert len(w.args[0]) == 1 or gathered <= 16 * 1024
+        # waited for right before the first use of one of its parameters
+        users = [u for item in w.users for u in item.users]
+        assert users and nodes.index(w) < min(nodes.index(u) for u in users)
+        between = nodes[nodes.index(w) + 1:min(nodes.index(u) for u in users)]
+        # (only the unpacking of gathered values and the consumer's other inputs' resharding)
+        assert all(n.target in (operator.getitem, rewrite_mod._slice)
+                   or isinstance(getattr(n.target, "__self__", None), Named) for n in between)
