@@ -23,12 +23,12 @@ with the number of ranks per host found from the host names) and one link is fit
 Per-rank compute is measured with every rank busy at once (ranks sharing a machine share its
 cores and memory bandwidth): dense matmul flop/s per dtype, elementwise memory bandwidth, and the
 fixed cost of an op (forward + backward, per op) and of a view. Those are then checked against
-a training step of a small transformer (`_Probe`: embedding, attention, MLP, norms, a
-cross-entropy head), timed on every rank at once: the step takes longer than the cost model
-predicts from the op figures alone (allocation, autograd's bookkeeping, caches that a whole step
-overflows), and the ratio, `compute_efficiency` in the calibration details, scales the compute
-figures (flop/s and bandwidth divided by it, op and view costs multiplied) so that the model
-predicts the probe's step. Every rank returns the same profile (measurements are gathered, each
+training steps of a small transformer (`_Probe`: embedding, attention, MLP, norms, a
+cross-entropy head) at three batch sizes, timed on every rank at once: a step takes longer than
+the cost model predicts from the op figures alone (allocation, autograd's bookkeeping, caches
+that a whole step overflows), and two factors fitted to the three steps, `throughput_factor`
+(flop/s and bandwidth divided by it) and `op_cost_factor` (op and view costs multiplied), make
+the model predict them. Every rank returns the same profile (measurements are gathered, each
 taking the slowest rank's time).
 """
 
@@ -134,7 +134,7 @@ def calibrate(mesh, hardware: str | HardwareProfile | None = None, *,
                 flops[dtype] = figures[f"matmul_{dtype}"]
         profile = replace(profile, flops=flops, memory_bandwidth=figures["bandwidth"],
                           launch=figures["launch"], view_launch=figures["view"])
-        figures.update(_probe_step(profile, device, compute_time))
+        figures.update(_probe_steps(profile, device, compute_time))
         profile = _scaled(profile, figures["compute_efficiency"])
         measured["compute"] = figures
     return replace(profile, name=base.name + "-calibrated", devices_per_node=per_node,
@@ -329,24 +329,30 @@ class _Probe(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _probe_step(profile: HardwareProfile, device, seconds: float) -> dict[str, float]:
-    """Time a training step (forward + backward) of `_Probe` on every rank at once, and the
-    ratio of that time to the cost model's prediction from `profile` on one device."""
+def _probe_steps(profile: HardwareProfile, device, seconds: float) -> dict:
+    """Time training steps (forward + backward) of `_Probe` at three batch sizes on every rank
+    at once, and the factor by which the cost model's compute prediction from `profile` on one
+    device must be scaled to predict them: the median of measured / predicted (at least 1).
+    (Fitting the roofline and the fixed per-op parts separately is ill-conditioned here: the
+    probe's fixed part is a few percent of its step.)"""
     from .api import plan
     big = device.type != "cpu"
-    vocab, hidden, heads, batch, seq = (32768, 2048, 16, 8, 1024) if big else \
-        (2048, 256, 4, 4, 128)
+    vocab, hidden, heads, seq = (32768, 2048, 16, 1024) if big else (2048, 256, 4, 128)
     gen = torch.Generator().manual_seed(0)
     with torch.device(device):
         model = _Probe(vocab, hidden, heads)
-    ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(ids, ids).backward()
-
-    measured = _slowest(_repeat(step, seconds, _sync(device), dist.group.WORLD))
     spec = MeshSpec((1,), hardware=profile)
-    predicted = plan(model, spec, (ids, ids)).cost.compute
-    return {"probe_step": measured, "probe_predicted": predicted,
-            "compute_efficiency": max(1.0, measured / predicted)}
+    ratios, out = [], {}
+    for batch in (1, 2, 8):
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+
+        def step(ids=ids):
+            model.zero_grad(set_to_none=True)
+            model(ids, ids).backward()
+
+        t = _slowest(_repeat(step, seconds, _sync(device), dist.group.WORLD))
+        predicted = plan(model, spec, (ids, ids)).cost.compute
+        ratios.append(t / predicted)
+        out[f"probe_batch{batch}"] = {"measured": t, "predicted": predicted}
+    out["compute_efficiency"] = max(1.0, statistics.median(ratios))
+    return out
