@@ -10,13 +10,11 @@ from __future__ import annotations
 import copy
 import json
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from tests import rank_tasks
-from tests.rank_tasks import ATOL, RTOL
 
 _MESHES: dict = {}
 
@@ -47,26 +45,7 @@ def train_equivalence(name: str, shape: tuple[int, ...], names: tuple[str, ...],
     else:
         pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y),
                                  **options)
-    # eps 1e-5: see tests/rank_tasks.py (exactly-zero true gradients).
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-5)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-5)
-    ref_params = dict(ref.named_parameters())
-    for step in range(steps):
-        opt.zero_grad()
-        loss = pm.step(x, y)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref(x), y)
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
-        if step == 0:
-            rank_tasks._check("gradient", pm.full_grads(),
-                              {n: p.grad for n, p in ref_params.items()})
-        opt.step()
-        ref_opt.step()
-    rank_tasks._check("parameter", pm.full_parameters(),
-                      {n: p.detach() for n, p in ref_params.items()})
-    with torch.no_grad():
-        torch.testing.assert_close(pm(x), ref(x), rtol=RTOL, atol=ATOL)
+    rank_tasks.check_training(pm, ref, loss_fn, x, y, steps)
     return pm.plan.to_dict() if dist.get_rank() == 0 else None
 
 

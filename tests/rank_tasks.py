@@ -99,16 +99,10 @@ def _check(what: str, got: dict, want: dict) -> None:
                 from None
 
 
-def train_equivalence(name, mesh_shape: tuple, force=None, steps: int = 3,
-                      plan: dict | None = None) -> dict | None:
-    """Loss, gradients, parameters after `steps` AdamW steps, and the forward output, all equal
-    to single-device training. Runs the solver's plan, or `plan` (as data) when given. Returns
-    the plan as data (from rank 0)."""
-    model, loss_fn, (x, y) = build(name)
-    ref = copy.deepcopy(model)
-    mesh = mesh_for(mesh_shape)
-    pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y), force=force,
-                             plan=autopar.Plan.from_dict(plan) if plan else None)
+def check_training(pm, ref, loss_fn, x, y, steps: int) -> None:
+    """Train the parallel model `pm` and the single-device `ref` side by side for `steps`
+    AdamW steps: the loss of every step, the gradients of the first, the parameters after the
+    last and the inference output must all be equal."""
     # eps 1e-5 rather than 1e-8: some parameters (attention key biases) have an exactly zero
     # true gradient, and AdamW with a tiny eps divides float noise by float noise, turning
     # reassociation differences of 1e-9 into parameter differences of lr.
@@ -129,6 +123,19 @@ def train_equivalence(name, mesh_shape: tuple, force=None, steps: int = 3,
     _check("parameter", pm.full_parameters(), {n: p.detach() for n, p in ref_params.items()})
     with torch.no_grad():
         torch.testing.assert_close(pm(x), ref(x), rtol=RTOL, atol=ATOL)
+
+
+def train_equivalence(name, mesh_shape: tuple, force=None, steps: int = 3,
+                      plan: dict | None = None) -> dict | None:
+    """Loss, gradients, parameters after `steps` AdamW steps, and the forward output, all equal
+    to single-device training. Runs the solver's plan, or `plan` (as data) when given. Returns
+    the plan as data (from rank 0)."""
+    model, loss_fn, (x, y) = build(name)
+    ref = copy.deepcopy(model)
+    mesh = mesh_for(mesh_shape)
+    pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y), force=force,
+                             plan=autopar.Plan.from_dict(plan) if plan else None)
+    check_training(pm, ref, loss_fn, x, y, steps)
     return pm.plan.to_dict() if dist.get_rank() == 0 else None
 
 
