@@ -135,18 +135,18 @@ def calibrate(mesh, hardware: str | HardwareProfile | None = None, *,
         profile = replace(profile, flops=flops, memory_bandwidth=figures["bandwidth"],
                           launch=figures["launch"], view_launch=figures["view"])
         figures.update(_probe_steps(profile, device, compute_time))
-        profile = _scaled(profile, figures["compute_efficiency"])
+        profile = _scaled(profile, figures["throughput_factor"], figures["op_cost_factor"])
         measured["compute"] = figures
     return replace(profile, name=base.name + "-calibrated", devices_per_node=per_node,
                    measured=measured)
 
 
-def _scaled(profile: HardwareProfile, factor: float) -> HardwareProfile:
-    """`profile` with compute `factor` times slower (flop/s and bandwidth divided, op and view
-    costs multiplied)."""
-    return replace(profile, flops={k: v / factor for k, v in profile.flops.items()},
-                   memory_bandwidth=profile.memory_bandwidth / factor,
-                   launch=profile.launch * factor, view_launch=profile.view_launch * factor)
+def _scaled(profile: HardwareProfile, throughput: float, op_cost: float) -> HardwareProfile:
+    """`profile` with flop/s and memory bandwidth divided by `throughput`, and the fixed cost of
+    an op and of a view multiplied by `op_cost`."""
+    return replace(profile, flops={k: v / throughput for k, v in profile.flops.items()},
+                   memory_bandwidth=profile.memory_bandwidth / throughput,
+                   launch=profile.launch * op_cost, view_launch=profile.view_launch * op_cost)
 
 
 def fit_link(points: list[tuple[str, int, float]], n: int | list[int]) -> tuple[float, float]:
@@ -329,30 +329,51 @@ class _Probe(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+# Probe sizes (vocab, hidden, heads, batch, sequence): a tiny one whose step is mostly the fixed
+# cost of its ops, and two whose steps are mostly arithmetic.
+_PROBES = {"cpu": ((256, 32, 2, 1, 16), (2048, 256, 4, 1, 128), (2048, 256, 4, 8, 128)),
+           "gpu": ((1024, 256, 4, 1, 64), (32768, 2048, 16, 1, 1024),
+                   (32768, 2048, 16, 8, 1024))}
+
+
 def _probe_steps(profile: HardwareProfile, device, seconds: float) -> dict:
-    """Time training steps (forward + backward) of `_Probe` at three batch sizes on every rank
-    at once, and the factor by which the cost model's compute prediction from `profile` on one
-    device must be scaled to predict them: the median of measured / predicted (at least 1).
-    (Fitting the roofline and the fixed per-op parts separately is ill-conditioned here: the
-    probe's fixed part is a few percent of its step.)"""
+    """Time training steps (forward + backward) of `_Probe` at three sizes on every rank at
+    once, and fit the factors by which the cost model's two parts of a compute prediction from
+    `profile` on one device (the roofline, and the fixed cost of each op and view) must be
+    scaled to predict them: least squares on relative errors, neither factor below 1."""
     from .api import plan
-    big = device.type != "cpu"
-    vocab, hidden, heads, seq = (32768, 2048, 16, 1024) if big else (2048, 256, 4, 128)
     gen = torch.Generator().manual_seed(0)
-    with torch.device(device):
-        model = _Probe(vocab, hidden, heads)
     spec = MeshSpec((1,), hardware=profile)
-    ratios, out = [], {}
-    for batch in (1, 2, 8):
+    roofline_only = MeshSpec((1,), hardware=_scaled(profile, 1.0, 0.0))
+    rows, out = [], {}
+    for vocab, hidden, heads, batch, seq in _PROBES["cpu" if device.type == "cpu" else "gpu"]:
+        with torch.device(device):
+            model = _Probe(vocab, hidden, heads)
         ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
 
-        def step(ids=ids):
+        def step(model=model, ids=ids):
             model.zero_grad(set_to_none=True)
             model(ids, ids).backward()
 
         t = _slowest(_repeat(step, seconds, _sync(device), dist.group.WORLD))
-        predicted = plan(model, spec, (ids, ids)).cost.compute
-        ratios.append(t / predicted)
-        out[f"probe_batch{batch}"] = {"measured": t, "predicted": predicted}
-    out["compute_efficiency"] = max(1.0, statistics.median(ratios))
+        whole = plan(model, spec, (ids, ids)).cost.compute
+        roof = plan(model, roofline_only, (ids, ids)).cost.compute
+        rows.append((roof / t, (whole - roof) / t))
+        out[f"probe_{hidden}x{batch * seq}"] = {"measured": t, "roofline": roof,
+                                               "fixed": whole - roof}
+    out["throughput_factor"], out["op_cost_factor"] = _fit_factors(rows)
     return out
+
+
+def _fit_factors(rows: list[tuple[float, float]]) -> tuple[float, float]:
+    """(a, b) >= 1 minimizing sum (a r + b f - 1)^2 over rows (r, f): the roofline and fixed
+    parts of each prediction divided by its measurement."""
+    r, f = np.array(rows).T
+    (a, b), *_ = np.linalg.lstsq(np.stack([r, f], axis=1), np.ones(len(rows)), rcond=None)
+    if a < 1:
+        a = 1.0
+        b = float(np.dot(f, 1 - r) / max(np.dot(f, f), 1e-30))
+    if b < 1:
+        b = 1.0
+        a = max(1.0, float(np.dot(r, 1 - f) / max(np.dot(r, r), 1e-30)))
+    return float(a), float(b)

@@ -166,6 +166,19 @@ def test_fit_link_recovers_alpha_and_beta():
     assert a2 > 0 and bw2 > 0 and math.isclose(bw2, bw, rel_tol=0.3)
 
 
+def test_probe_factors_are_recovered():
+    """The two calibration factors (roofline, fixed per-op cost) come back from steps made with
+    them, and neither goes below 1."""
+    from autopar.calibrate import _fit_factors
+    parts = [(1e-4, 9e-4), (8e-3, 1e-3), (6e-2, 1e-3)]  # (roofline, fixed) seconds
+    t = [1.3 * r + 2.0 * f for r, f in parts]
+    assert _fit_factors([(r / s, f / s) for (r, f), s in zip(parts, t)]) == \
+        pytest.approx((1.3, 2.0))
+    t = [0.5 * r + 3.0 * f for r, f in parts]  # faster arithmetic than the op figures say
+    a, b = _fit_factors([(r / s, f / s) for (r, f), s in zip(parts, t)])
+    assert a == 1.0 and b > 1.0
+
+
 def test_calibrate_on_a_gloo_world(world4, tmp_path):
     """Every rank gets the same profile: measured links for every mesh dimension (a 2x2 mesh:
     both inside this host), ranks per host, per-rank compute; plan takes it, and it travels in
@@ -182,11 +195,12 @@ def test_calibrate_on_a_gloo_world(world4, tmp_path):
     assert hw.flops["float32"] > 1e8 and hw.memory_bandwidth > 1e8 and hw.launch > 0
     # The op figures are scaled so that the model predicts the probe's measured steps.
     figures = hw.measured["compute"]
-    eff = figures["compute_efficiency"]
-    assert eff >= 1.0
-    assert all(figures[f"probe_batch{n}"]["measured"] > 0 for n in (1, 2, 8))
-    assert hw.launch == pytest.approx(figures["launch"] * eff)
-    assert hw.flops["float32"] == pytest.approx(figures["matmul_float32"] / eff)
+    a, b = figures["throughput_factor"], figures["op_cost_factor"]
+    assert a >= 1.0 and b >= 1.0
+    probes = [v for k, v in figures.items() if k.startswith("probe_")]
+    assert len(probes) == 3 and all(p["measured"] > 0 and p["fixed"] > 0 for p in probes)
+    assert hw.launch == pytest.approx(figures["launch"] * b)
+    assert hw.flops["float32"] == pytest.approx(figures["matmul_float32"] / a)
     torch.manual_seed(0)
     model = MLP([16, 32, 8])
     spec = autopar.MeshSpec((2, 2), names=("dp", "tp"), hardware=hw)
