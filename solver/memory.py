@@ -69,7 +69,8 @@ def saved_slots(node: SNode, grads: tuple[bool, ...]) -> tuple[int, ...]:
     if op.startswith("div.Tensor") and n >= 2:
         return tuple(sorted({1} | ({0} if grads[1] else set()))) if any(grads) else ()
     if op.startswith("scaled_dot_product_attention"):
-        return tuple(range(n))
+        # A boolean mask is kept as the float mask SDPA makes of it (`extra_saved_bytes`).
+        return tuple(i for i in range(n) if not (i == 3 and _is_bool_input(node, i)))
     if op.startswith(("layer_norm", "native_layer_norm", "rms_norm", "group_norm")):
         return tuple(range(n))  # input, weight, bias (statistics: `extra_saved_bytes`)
     if op.startswith(("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
@@ -98,6 +99,11 @@ def _product_slots(grads: tuple[bool, ...], a: int, b: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+def _is_bool_input(node: SNode, slot: int) -> bool:
+    call = node.call
+    return call is not None and slot < len(call.inputs) and call.inputs[slot].dtype == torch.bool
+
+
 def _is_view(node: SNode) -> bool:
     from .cost import is_view
     return is_view(node)
@@ -105,7 +111,8 @@ def _is_view(node: SNode) -> bool:
 
 def extra_saved_bytes(cost: CostModel, node: SNode, strategy: Strategy) -> float:
     """Small tensors an op creates only for its backward: a norm's statistics, attention's
-    log-sum-exp (float32 per row), dropout's mask (one byte per element)."""
+    log-sum-exp (float32 per row) and the additive mask it makes of a boolean one, dropout's
+    mask (one byte per element)."""
     in_local, out_local = cost.local_shapes(node, strategy)
     op = node.op
     if op.startswith(("layer_norm", "native_layer_norm", "rms_norm")) and node.call is not None:
@@ -113,7 +120,12 @@ def extra_saved_bytes(cost: CostModel, node: SNode, strategy: Strategy) -> float
         rows = _prod(in_local[0][:len(in_local[0]) - normalized])
         return rows * 4 * (2 if "layer_norm" in op else 1)
     if op.startswith("scaled_dot_product_attention"):
-        return _prod(in_local[0][:-1]) * 4
+        lse = _prod(in_local[0][:-1]) * 4
+        if len(in_local) > 3 and _is_bool_input(node, 3):
+            # SDPA turns a boolean mask into an additive mask of the query's dtype, at the
+            # mask's full (broadcast) shape, and keeps that for backward.
+            lse += _prod(in_local[3]) * _itemsize(cost.dtype(node.call.inputs[0].dtype))
+        return lse
     if op.startswith("dropout") and node.call is not None and node.call.arg(1, "p", 0.0):
         return _prod(out_local[0])
     return 0.0

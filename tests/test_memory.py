@@ -229,3 +229,41 @@ def test_measured_memory_sgd_momentum(world2):
     plan = autopar.plan(model, autopar.MeshSpec((2,), names=("dp",), hardware="cpu"), example,
                         loss_fn=loss_fn, force="fsdp", optimizer="sgd-momentum")
     assert got["optimizer"] == plan.cost.memory["optimizer"] == got["parameters"]
+
+
+class _MaskedAttention(nn.Module):
+    def __init__(self, mask: torch.Tensor):
+        super().__init__()
+        self.proj = nn.Linear(8, 24)
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.proj(x).view(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        mask = self.mask.expand(b, 1, t, t)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+
+def _attention_node_bytes(mask: torch.Tensor) -> tuple[float, dict]:
+    """(the model's bytes kept for the attention node, the storages autograd really saved)."""
+    model, x = _MaskedAttention(mask), torch.randn(5, 6, 8)
+    saved = cost_tasks.SavedTensors(list(model.parameters()) + [x])
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        model(x)
+    program = _trace(model, (x,), None)
+    graph = strategies.build(program, (1,))
+    cost = CostModel(autopar.MeshSpec((1,), hardware="cpu"), graph=graph)
+    attn = next(v for v in graph.nodes.values() if v.op.startswith("scaled_dot_product"))
+    return cost.activation_memory(attn, attn.strategies[0]), saved.shapes
+
+
+def test_boolean_attention_mask_is_kept_as_a_float_mask():
+    """SDPA keeps a boolean mask as the additive float mask it makes of it, at the broadcast
+    shape (5 x 1 x 6 x 6 floats here), and a float mask as the tensor it was given: the model
+    charges the attention node exactly that difference."""
+    causal = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    with_bool, saved = _attention_node_bytes(causal)
+    with_float, _ = _attention_node_bytes(torch.zeros(1, 1, 6, 6).masked_fill(~causal, -1e9))
+    made = 5 * 1 * 6 * 6 * 4
+    assert any(shape == [((5, 1, 6, 6), "torch.float32")] for shape in saved.values())
+    assert with_bool - with_float == pytest.approx(made)
