@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -148,26 +149,9 @@ class _Lazy(nn.Module):
             return self._build_pipeline(example_inputs)
         model = self._model[0]
         program = _trace(model, example_inputs, self._loss_fn)
-        chosen = self._given_plan
-        if chosen is None:
-            box: list = [None]
-            if dist.get_rank() == 0:
-                try:
-                    solved, _ = solve_plan(program, self._spec, memory_budget=self._budget,
-                                           force=self._force, solver=self._solver)
-                    box = [solved.to_dict()]
-                except Exception as e:  # noqa: BLE001 - every rank must learn of it, not hang
-                    box = [e]
-            dist.broadcast_object_list(box, src=0)
-            if isinstance(box[0], Exception):
-                raise box[0]
-            chosen = Plan.from_dict(box[0])
-        hashes = [None] * dist.get_world_size()
-        dist.all_gather_object(hashes, chosen.hash())
-        if len(set(hashes)) != 1:
-            raise PlanMismatchError(
-                "ranks hold different plans (hashes by rank: " + ", ".join(hashes) + "); pass "
-                "the same plan (or the same model, inputs and options) on every rank")
+        chosen = self._agreed_plan(lambda: solve_plan(
+            program, self._spec, memory_budget=self._budget, force=self._force,
+            solver=self._solver)[0])
         graph = strat_pass.build(program, self._spec.shape)
         choice = choice_from_plan(chosen, graph)
         coords = tuple(self._mesh.get_coordinate())
@@ -191,27 +175,15 @@ class _Lazy(nn.Module):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
             else (example_inputs,)
         tracer = _pipeline_tracer(model, example_inputs, self._loss_fn)
-        chosen = self._given_plan
-        if chosen is None:
-            box: list = [None]
-            if self._pipeline_options.get("microbatches") and dist.get_rank() != 0:
-                try:  # trace while rank 0 plans: the microbatch size is known
-                    tracer(self._pipeline_options["microbatches"])
-                except Exception:  # noqa: BLE001 - rank 0 reports it with the plan
-                    pass
-            if dist.get_rank() == 0:
-                try:
-                    solved = solve_pipeline_plan(
-                        tracer, _batch_size(example_inputs), spec, memory_budget=self._budget,
-                        force=self._force, solver=self._solver, **self._pipeline_options)
-                    box = [solved.to_dict()]
-                except Exception as e:  # noqa: BLE001 - every rank must learn of it, not hang
-                    box = [e]
-            dist.broadcast_object_list(box, src=0)
-            if isinstance(box[0], Exception):
-                raise box[0]
-            chosen = Plan.from_dict(box[0])
-        _check_same_plan(chosen)
+        if self._given_plan is None and self._pipeline_options.get("microbatches") and \
+                dist.get_rank() != 0:
+            try:  # trace while rank 0 plans: the microbatch size is known
+                tracer(self._pipeline_options["microbatches"])
+            except Exception:  # noqa: BLE001 - rank 0 reports it with the plan
+                pass
+        chosen = self._agreed_plan(lambda: solve_pipeline_plan(
+            tracer, _batch_size(example_inputs), spec, memory_budget=self._budget,
+            force=self._force, solver=self._solver, **self._pipeline_options))
         pipe = chosen.pipeline
         if pipe is None:
             raise ValueError("the mesh has a pp dimension but the plan is not pipelined; "
@@ -251,6 +223,29 @@ class _Lazy(nn.Module):
             self._mesh.get_group(pp), coords[pp], sub_coords, list(program.inputs), roots,
             program.out_spec, num_inputs, programs.loss_placement, device)
         return self.module
+
+    def _agreed_plan(self, solve: Callable[[], Plan]) -> Plan:
+        """The given plan, or the one `solve` makes on rank 0, broadcast (a failure too: every
+        rank raises it rather than hang); then every rank checks that all hold the same."""
+        chosen = self._given_plan
+        if chosen is None:
+            box: list = [None]
+            if dist.get_rank() == 0:
+                try:
+                    box = [solve().to_dict()]
+                except Exception as e:  # noqa: BLE001 - every rank must learn of it, not hang
+                    box = [e]
+            dist.broadcast_object_list(box, src=0)
+            if isinstance(box[0], Exception):
+                raise box[0]
+            chosen = Plan.from_dict(box[0])
+        hashes = [None] * dist.get_world_size()
+        dist.all_gather_object(hashes, chosen.hash())
+        if len(set(hashes)) != 1:
+            raise PlanMismatchError(
+                "ranks hold different plans (hashes by rank: " + ", ".join(hashes) + "); pass "
+                "the same plan (or the same model, inputs and options) on every rank")
+        return chosen
 
     def _full_tensors(self, program: TracedProgram) -> tuple[dict, dict]:
         model = self._model[0]
@@ -315,15 +310,6 @@ class _Lazy(nn.Module):
     def named_local_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's shard of every parameter, by the model's names."""
         return self._built().named_local_parameters()
-
-
-def _check_same_plan(chosen: Plan) -> None:
-    hashes = [None] * dist.get_world_size()
-    dist.all_gather_object(hashes, chosen.hash())
-    if len(set(hashes)) != 1:
-        raise PlanMismatchError(
-            "ranks hold different plans (hashes by rank: " + ", ".join(hashes) + "); pass "
-            "the same plan (or the same model, inputs and options) on every rank")
 
 
 def _no_pipeline_options(microbatches, schedule, virtual_stages) -> None:

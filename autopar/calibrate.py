@@ -79,7 +79,7 @@ def calibrate(mesh, hardware: str | HardwareProfile | None = None, *,
 
     dims_used = [k for k in range(mesh.ndim) if mesh.size(k) > 1]
     groups = {k: mesh.get_group(k) for k in dims_used}
-    sync = _sync(device)
+    sync = device_sync(device)
     samples: dict[int, list[tuple[str, int, float]]] = {k: [] for k in dims_used}
     alone: dict[int, list[tuple[str, int, float]]] = {k: [] for k in dims_used}
     for kind in kinds:
@@ -96,7 +96,7 @@ def calibrate(mesh, hardware: str | HardwareProfile | None = None, *,
                 def cycle(fns=fns):
                     for fn in fns.values():
                         fn()
-                turn = _slowest(_repeat(cycle, min_time, sync, dist.group.WORLD))
+                turn = _slowest(time_per_call(cycle, min_time, sync, dist.group.WORLD))
                 times = {k: turn * t / sum(times.values()) for k, t in times.items()}
             for k in dims_used:
                 samples[k].append((kind, nbytes, times[k]))
@@ -177,7 +177,7 @@ def _slowest(seconds: float) -> float:
     return float(t[0])
 
 
-def _repeat(fn, min_time: float, sync, group=None, rounds: int = 3) -> float:
+def time_per_call(fn, min_time: float, sync, group=None, rounds: int = 3) -> float:
     """Median seconds per call of `fn`, over `rounds` rounds of back-to-back calls that fill
     `min_time`; the ranks of `group` (if any) agree on the number of calls."""
     fn()
@@ -222,9 +222,9 @@ def _collective(kind: str, nbytes: int, n: int, group, device):
 def _timed(fn, n: int, group, device, min_time: float, busy: float = 0.0) -> float:
     """Seconds of one call of collective `fn`; with `busy` > 0 each call follows that many
     seconds of compute (what a training step does between collectives), subtracted again."""
-    sync = _sync(device)
+    sync = device_sync(device)
     if not busy:
-        return _repeat(fn, min_time, sync, group)
+        return time_per_call(fn, min_time, sync, group)
     work = _busy_work(busy, device, sync)
 
     def both():
@@ -233,8 +233,8 @@ def _timed(fn, n: int, group, device, min_time: float, busy: float = 0.0) -> flo
 
     # Rounds alternate compute alone and compute + collective; the median difference is the
     # collective's time (never below a microsecond: noise can make a difference negative).
-    diffs = [_repeat(both, min_time, sync, group, rounds=1)
-             - _repeat(work, min_time, sync, group, rounds=1) for _ in range(5)]
+    diffs = [time_per_call(both, min_time, sync, group, rounds=1)
+             - time_per_call(work, min_time, sync, group, rounds=1) for _ in range(5)]
     return max(1e-6, statistics.median(diffs))
 
 
@@ -257,13 +257,14 @@ def _busy_work(seconds: float, device, sync):
     return work
 
 
-def _sync(device):
+def device_sync(device):
+    """A function that waits for `device` to finish its queued work (nothing on CPUs)."""
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 def _compute(device, seconds: float) -> dict[str, float]:
     """Per-rank compute figures, every rank at once (the slowest rank's)."""
-    sync = _sync(device)
+    sync = device_sync(device)
     dist.barrier()
     out = {}
     m = 512 if device.type == "cpu" else 8192
@@ -271,13 +272,13 @@ def _compute(device, seconds: float) -> dict[str, float]:
         a = torch.randn(m, m, device=device, dtype=dtype)
         b = torch.randn(m, m, device=device, dtype=dtype)
         name = str(dtype).removeprefix("torch.")
-        per_call = _slowest(_repeat(lambda a=a, b=b: a @ b, seconds, sync))
+        per_call = _slowest(time_per_call(lambda a=a, b=b: a @ b, seconds, sync))
         out[f"matmul_{name}"] = 2 * m**3 / per_call
     numel = 2**20 if device.type == "cpu" else 2**28
     x = torch.randn(numel, device=device)
     y = torch.randn(numel, device=device)
     z = torch.empty(numel, device=device)
-    per_call = _slowest(_repeat(lambda: torch.add(x, y, out=z), seconds, sync))
+    per_call = _slowest(time_per_call(lambda: torch.add(x, y, out=z), seconds, sync))
     out["bandwidth"] = 3 * 4 * numel / per_call
     # The fixed cost of an op: a chain of tiny ops of the kinds a layer runs (a product, a
     # norm, an activation, arithmetic), forward and backward, per op and pass.
@@ -295,9 +296,9 @@ def _compute(device, seconds: float) -> dict[str, float]:
                 h = op(h)
         h.sum().backward()
 
-    out["launch"] = _slowest(_repeat(chain, seconds, sync)) / (2 * 8 * len(layer) + 2)
+    out["launch"] = _slowest(time_per_call(chain, seconds, sync)) / (2 * 8 * len(layer) + 2)
     v = torch.ones(4, 4, device=device)
-    out["view"] = _slowest(_repeat(lambda: v.view(16), seconds / 2, sync))
+    out["view"] = _slowest(time_per_call(lambda: v.view(16), seconds / 2, sync))
     return out
 
 
@@ -355,7 +356,7 @@ def _probe_steps(profile: HardwareProfile, device, seconds: float) -> dict:
             model.zero_grad(set_to_none=True)
             model(ids, ids).backward()
 
-        t = _slowest(_repeat(step, seconds, _sync(device), dist.group.WORLD))
+        t = _slowest(time_per_call(step, seconds, device_sync(device), dist.group.WORLD))
         whole = plan(model, spec, (ids, ids)).cost.compute
         roof = plan(model, roofline_only, (ids, ids)).cost.compute
         rows.append((roof / t, (whole - roof) / t))

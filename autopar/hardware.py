@@ -149,15 +149,6 @@ BUILTIN: dict[str, dict] = {
         "inter_node": {"name": "ib-ndr", "alpha": 18e-6, "bandwidth": 0.92 * 50 * GB},
         "devices_per_node": 8,
     },
-    "h200": {
-        "name": "h200",
-        "flops": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12,
-                  "float16": 989.4e12},
-        "memory_bandwidth": 4.8e12, "memory": 143771 * MiB, "launch": 4e-6,
-        "intra_node": {"name": "nvlink4", "alpha": 8e-6, "bandwidth": 0.8 * 450 * GB},
-        "inter_node": {"name": "ib-ndr", "alpha": 18e-6, "bandwidth": 0.92 * 50 * GB},
-        "devices_per_node": 8,
-    },
     "cpu": {
         "name": "cpu",
         "flops": {"float32": 20e9, "bfloat16": 5e9},
@@ -167,6 +158,10 @@ BUILTIN: dict[str, dict] = {
         "devices_per_node": 64,
     },
 }
+
+# The H200 is an H100 with more and faster memory (same compute, NVLink4 and NDR links).
+BUILTIN["h200"] = {**BUILTIN["h100"], "name": "h200", "memory_bandwidth": 4.8e12,
+                   "memory": 143771 * MiB}
 
 PROFILES: dict[str, HardwareProfile] = {k: HardwareProfile.from_dict(v)
                                         for k, v in BUILTIN.items()}

@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -35,6 +33,8 @@ from autopar.passes.placement import local_shape
 from autopar.passes.rules import LOWERINGS, LocalContext, TensorArg
 from autopar.passes.strategies import CONSTANT, SNode, Strategy, StrategyGraph
 from autopar.solver.cost import CostModel
+
+from .calibrate import device_sync, time_per_call
 
 __all__ = ["OpProfiler", "default_cache_dir", "device_name"]
 
@@ -196,27 +196,7 @@ class OpProfiler:
         return run, grad_of
 
     def _timeit(self, fn) -> float:
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        fn()
-        sync()
-        n, elapsed = 1, 0.0
-        while True:  # calls per sample: enough to fill min_time
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            sync()
-            elapsed = time.perf_counter() - start
-            if elapsed >= self.min_time or n >= 1 << 16:
-                break
-            n = max(n * 2, int(n * self.min_time / max(elapsed, 1e-9)))
-        samples = [elapsed / n]
-        for _ in range(self.samples - 1):
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            sync()
-            samples.append((time.perf_counter() - start) / n)
-        return statistics.median(samples)
+        return time_per_call(fn, self.min_time, device_sync(self.device), rounds=self.samples)
 
 
 def _random(shape, dtype: torch.dtype, device: torch.device, grad: bool) -> torch.Tensor:

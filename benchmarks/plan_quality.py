@@ -14,62 +14,42 @@ strategies in a way no uniform setup does. Setups that exceed device memory are 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-import autopar
-from autopar.solver.ilp import NoFeasiblePlan
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autopar  # noqa: E402
+from autopar.solver.ilp import NoFeasiblePlan  # noqa: E402
+from tests.models import GPT, GPTConfig, hf_gpt2, hf_llama, lm_loss  # noqa: E402
 
 
 def gpt_small():
     """The examples/ GPT at GPT-2-small size (tied head)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-    from gpt import GPT, GPTConfig
     with torch.device("meta"):
         return GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12,
                              n_embd=768)), 50304, 1024
 
 
-def hf_gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
-                     use_cache=False, attn_implementation="sdpa", resid_pdrop=0, embd_pdrop=0,
-                     attn_pdrop=0, bos_token_id=None, eos_token_id=None)
+def gpt2():
+    """Hugging Face GPT-2 small."""
     with torch.device("meta"):
-        return _logits(GPT2LMHeadModel(cfg)), 50257, 1024
+        return hf_gpt2(n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
+                       n_positions=1024), 50257, 1024
 
 
-def hf_llama():
-    """Llama-3-8B widths, 4 layers (the grid re-plans many times)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      max_position_embeddings=8192, use_cache=False, attn_implementation="sdpa",
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+def llama():
+    """Hugging Face Llama at Llama-3-8B widths, 4 layers (the grid re-plans many times)."""
     with torch.device("meta"):
-        return _logits(LlamaForCausalLM(cfg)), 128256, 2048
+        return hf_llama(num_hidden_layers=4, hidden_size=4096, num_attention_heads=32,
+                        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                        max_position_embeddings=8192), 128256, 2048
 
 
-def _logits(m):
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids):
-            return self.m(input_ids=ids).logits
-
-    return Logits()
-
-
-def loss_fn(logits, targets):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-MODELS = {"gpt": gpt_small, "gpt2": hf_gpt2, "llama": hf_llama}
+MODELS = {"gpt": gpt_small, "gpt2": gpt2, "llama": llama}
 
 
 def grid(n: int):
@@ -89,7 +69,7 @@ def grid(n: int):
 def predicted(model, shape, names, example, force) -> float | None:
     try:
         plan = autopar.plan(model, autopar.MeshSpec(shape, names=names, hardware="h100"),
-                            example, loss_fn=loss_fn, force=force)
+                            example, loss_fn=lm_loss, force=force)
     except NoFeasiblePlan:
         return None
     return plan.cost.step_time

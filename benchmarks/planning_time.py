@@ -19,40 +19,27 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-import autopar
-from autopar.passes import strategies
-from autopar.passes.cluster import cluster
-from autopar.passes.trace import trace
-from autopar.solver.cost import CostModel
-from autopar.solver.ilp import solve
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autopar  # noqa: E402
+from autopar.passes import strategies  # noqa: E402
+from autopar.passes.cluster import cluster  # noqa: E402
+from autopar.passes.trace import trace  # noqa: E402
+from autopar.solver.cost import CostModel  # noqa: E402
+from autopar.solver.ilp import solve  # noqa: E402
+from tests.models import hf_llama, lm_loss  # noqa: E402
 
 
 def llama8b(layers: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      max_position_embeddings=8192, use_cache=False, attn_implementation="sdpa",
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    """Hugging Face Llama at Llama-3-8B widths with `layers` layers, on the meta device."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids):
-            return self.model(input_ids=ids).logits
-
-    return Logits()
-
-
-def loss_fn(logits, targets):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return hf_llama(num_hidden_layers=layers, hidden_size=4096, num_attention_heads=32,
+                        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                        max_position_embeddings=8192)
 
 
 def rss_mib() -> float:
@@ -65,7 +52,7 @@ def run(layers: int, mesh: tuple[int, ...]) -> dict:
     spec = autopar.MeshSpec(mesh, hardware="h100")
     before = rss_mib()
     t0 = time.perf_counter()
-    program = trace(model, (ids,), loss_fn, ids)
+    program = trace(model, (ids,), lm_loss, ids)
     t1 = time.perf_counter()
     graph = strategies.build(program, mesh)
     t2 = time.perf_counter()
@@ -75,7 +62,7 @@ def run(layers: int, mesh: tuple[int, ...]) -> dict:
     sol = solve(graph, CostModel(spec), clustering=clusters)
     t3 = time.perf_counter()
     start = time.perf_counter()
-    plan = autopar.plan(model, spec, (ids, ids), loss_fn=loss_fn, memory_budget=float("inf"))
+    plan = autopar.plan(model, spec, (ids, ids), lm_loss=lm_loss, memory_budget=float("inf"))
     whole = time.perf_counter() - start
     return {"layers": layers, "mesh": "x".join(map(str, mesh)), "nodes": len(graph.nodes),
             "owners": len(clusters.owners()), "vars": sol.num_variables,

@@ -13,6 +13,7 @@ returns the model's outputs whole.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.solver.reshard import BUCKET_BYTES, plan_steps
+from autopar.solver.reshard import BUCKET_BYTES, buckets, plan_steps
 
 from .placement import Placements, R, local_shape
 from .rules import LOWERINGS, LocalContext, TensorArg
@@ -114,7 +115,8 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
             # Every bucket's gather starts here, asynchronously, in order of first use; the
             # program waits for a bucket just before its first use (prefetching).
             for k, uses in fsdp.items():
-                for bucket in _buckets(uses, graph, mesh_shape):
+                for bucket in buckets(uses, lambda use: _use_bytes(use, graph, mesh_shape),
+                                      BUCKET_BYTES):
                     started = g.call_function(comm.all_gather_start,
                                               ([local[(p, None)] for p, _, _ in bucket],
                                                [d for _, _, d in bucket], k))
@@ -205,29 +207,12 @@ def _fsdp_gathers(graph: StrategyGraph, choice: dict[str, Strategy],
     return out
 
 
-def _buckets(uses: list[tuple[str, Placements, int]], graph: StrategyGraph,
-             mesh_shape: tuple[int, ...]) -> list[list[tuple[str, Placements, int]]]:
-    """Consecutive parameter gathers grouped so that each group's gathered bytes stay within
-    BUCKET_BYTES (a larger parameter is a group of its own)."""
-    out: list[list] = []
-    size = 0
-    for use in uses:
-        v = graph.nodes[use[0]]
-        nbytes = _numel(local_shape(v.out_shapes[0], use[1], mesh_shape)) * \
-            v.out_dtypes[0].itemsize
-        if not out or size + nbytes > BUCKET_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(use)
-        size += nbytes
-    return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _use_bytes(use: tuple[str, Placements, int], graph: StrategyGraph,
+               mesh_shape: tuple[int, ...]) -> int:
+    """Bytes of a parameter gathered to its use placement."""
+    v = graph.nodes[use[0]]
+    return math.prod(local_shape(v.out_shapes[0], use[1], mesh_shape)) * \
+        v.out_dtypes[0].itemsize
 
 
 def _substitute(tree, values: list):

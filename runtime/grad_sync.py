@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.solver.reshard import BUCKET_BYTES
+from autopar.solver.reshard import BUCKET_BYTES, buckets
 
 from . import compat
 
@@ -35,18 +35,34 @@ class _Bucket:
         self.ready = 0
         self.work = None
         self.flat: torch.Tensor | None = None
-        self.carry: _PendingSum | None = None
+        self.carry: PendingSum | None = None
 
 
-def _buckets(params: list[torch.nn.Parameter], k: int, bucket_bytes: int) -> list[_Bucket]:
-    by_dtype: dict[torch.dtype, list[list[torch.nn.Parameter]]] = {}
-    for p in reversed(params):
-        lists = by_dtype.setdefault(p.dtype, [[]])
-        size = sum(q.numel() for q in lists[-1]) * p.element_size()
-        if lists[-1] and size + p.numel() * p.element_size() > bucket_bytes:
-            lists.append([])
-        lists[-1].append(p)
-    return [_Bucket(k, ps) for lists in by_dtype.values() for ps in lists if ps]
+def param_buckets(params: list[torch.nn.Parameter],
+                  bucket_bytes: float = BUCKET_BYTES) -> list[list[torch.nn.Parameter]]:
+    """`params` grouped into buckets of at most `bucket_bytes`, per dtype, in order."""
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    return [b for ps in by_dtype.values()
+            for b in buckets(ps, lambda p: p.numel() * p.element_size(), bucket_bytes)]
+
+
+def _flat_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient flattened (zeros for a parameter without one)."""
+    return [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+
+
+def sum_grads(params: list[torch.nn.Parameter], group) -> None:
+    """Sum the gradients of `params` over `group` (missing gradients count as zeros), in
+    buckets, all in flight together."""
+    pending = []
+    for ps in param_buckets(params):
+        flat = torch.cat(_flat_grads(ps))
+        pending.append((compat.all_reduce(flat, group=group, async_op=True), flat, ps))
+    for work, flat, ps in pending:
+        work.wait()
+        _write_back(ps, flat)
 
 
 class GradSync:
@@ -58,12 +74,14 @@ class GradSync:
         reduced = [(p, tuple(k for k in dims if mesh_shape[k] > 1)) for p, dims in params]
         self.overlapped: list[_Bucket] = []
         for k in range(len(mesh_shape)):
-            single = [p for p, dims in reduced if dims == (k,) and p.requires_grad]
-            self.overlapped += _buckets(single, k, bucket_bytes)
+            # reverse parameter order: the last parameters' gradients are ready first
+            single = [p for p, dims in reversed(reduced) if dims == (k,) and p.requires_grad]
+            self.overlapped += [_Bucket(k, ps) for ps in param_buckets(single, bucket_bytes)]
         self.later: list[_Bucket] = []  # several mesh dimensions: after backward, in turn
         for k in range(len(mesh_shape)):
-            multi = [p for p, dims in reduced if len(dims) > 1 and k in dims and p.requires_grad]
-            self.later += _buckets(multi, k, bucket_bytes)
+            multi = [p for p, dims in reversed(reduced)
+                     if len(dims) > 1 and k in dims and p.requires_grad]
+            self.later += [_Bucket(k, ps) for ps in param_buckets(multi, bucket_bytes)]
         self._launched: list[_Bucket] = []
         self._stash: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._hooks = []
@@ -72,7 +90,7 @@ class GradSync:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda p, b=b: self._on_grad(b)))
 
-    def begin(self, report: _PendingSum | None = None) -> None:
+    def begin(self, report: PendingSum | None = None) -> None:
         """Call before each backward pass. Gradients already accumulated (steps without
         zero_grad) are set aside and added back after this pass's gradients are reduced, so
         that gradient accumulation sums each step's reduced gradient once. A `report` (a sum
@@ -102,8 +120,7 @@ class GradSync:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                 for p in b.params]
+        grads = _flat_grads(b.params)
         r = self._report
         if r is not None and b.mesh_dim == r.dims[0] and b.params[0].dtype == r.value.dtype:
             self._left -= 1
@@ -121,7 +138,7 @@ class GradSync:
                 self._launch(b)
         for b in self._launched:
             b.work.wait()
-            _write_back(b)
+            _write_back(b.params, b.flat)
             if b.carry is not None:
                 b.carry.landed(b.flat[b.flat.numel() - b.carry.value.numel():])
         for k in sorted({b.mesh_dim for b in self.later}):
@@ -130,32 +147,36 @@ class GradSync:
                 self._launch(b)
             for b in batch:
                 b.work.wait()
-                _write_back(b)
+                _write_back(b.params, b.flat)
                 b.work = None
         for p, g in self._stash.items():
             p.grad = g if p.grad is None else p.grad.add_(g)
         self._stash = {}
 
 
-def _write_back(b: _Bucket) -> None:
+def _write_back(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Set each parameter's gradient to its slice of the reduced `flat` (a view: every step
+    reduces into a new buffer)."""
     offset = 0
-    for p in b.params:
+    for p in params:
         n = p.numel()
-        g = b.flat[offset:offset + n].view_as(p)
+        g = flat[offset:offset + n].view_as(p)
         if p.grad is None:
-            p.grad = g  # a view of this step's bucket (a new buffer every step)
+            p.grad = g
         else:
             p.grad.copy_(g)
         offset += n
 
 
-class _PendingSum:
-    """A detached value being summed over some mesh dimensions; `wait()` returns the sum."""
+class PendingSum:
+    """A detached value (the reported loss) to be summed over some mesh dimensions: over the
+    first by `start()` (asynchronously) or in a gradient bucket (`landed`), over the rest when
+    `wait()` returns the sum."""
 
     def __init__(self, x: torch.Tensor, groups: list, dims: list[int]):
         self.value, self.groups, self.dims = x.detach().clone(), groups, list(dims)
         self.work = None
-        self._rest = list(dims)  # dimensions still to sum when wait() is called
+        self._rest = list(dims)  # dimensions still to sum
 
     def start(self) -> None:
         """Launch the sum over the first dimension asynchronously."""
@@ -170,6 +191,7 @@ class _PendingSum:
         self._rest = self._rest[1:]
 
     def wait(self) -> torch.Tensor:
+        """The sum (a collective: all ranks call it)."""
         if self.work is not None:
             self.work.wait()
             self.work = None
@@ -177,13 +199,3 @@ class _PendingSum:
             dist.all_reduce(self.value, group=self.groups[k])
         self._rest = []
         return self.value
-
-
-def start_all_reduce(x: torch.Tensor, groups: list, dims: list[int],
-                     start: bool = True) -> _PendingSum:
-    """Begin summing a detached tensor over the given mesh dimensions (for reporting); with
-    `start=False` nothing is launched yet (see GradSync.begin)."""
-    pending = _PendingSum(x, groups, dims)
-    if start:
-        pending.start()
-    return pending

@@ -18,7 +18,7 @@ from autopar.passes.rewrite import LocalPrograms
 from autopar.solver.reshard import plan_steps
 
 from .collectives import MeshComm
-from .grad_sync import GradSync, start_all_reduce
+from .grad_sync import GradSync, PendingSum
 
 
 class ParallelModule(nn.Module):
@@ -104,7 +104,7 @@ class ParallelModule(nn.Module):
         self._check_inputs(tuple(inputs))
         (loss,) = self._programs.train(*self._feed(tuple(inputs), target))
         # the loss value is summed for reporting while backward runs (in a gradient bucket)
-        report = start_all_reduce(loss, self._comm.groups, self._loss_partial_dims, start=False)
+        report = PendingSum(loss, self._comm.groups, self._loss_partial_dims)
         self._grad_sync.begin(report)
         loss.backward(torch.full_like(loss, self._loss_seed))
         self._grad_sync.finish()

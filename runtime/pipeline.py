@@ -33,10 +33,11 @@ from torch.utils import _pytree as pytree
 
 from autopar.passes.pipeline_split import StageProgram, ValueMeta
 from autopar.passes.placement import R, local_shape, local_slices
-from autopar.solver.reshard import BUCKET_BYTES, plan_steps
+from autopar.solver.reshard import plan_steps
 
 from . import compat
 from .collectives import MeshComm
+from .grad_sync import sum_grads
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved": ScheduleInterleaved1F1B}
@@ -216,7 +217,7 @@ class PipelineModule(nn.Module):
         self._train.step(*first, target=self._dummy_target, losses=losses,
                          return_outputs=False, **feeds)
         for k, params in self._replicated:
-            _sum_grads(params, self._comm.groups[k])
+            sum_grads(params, self._comm.groups[k])
         self._sync_shared()
         loss = torch.zeros((), device=self._device)
         if self._coord == self._last_rank:
@@ -316,31 +317,3 @@ class PipelineModule(nn.Module):
         return out
 
 
-def _sum_grads(params: list[nn.Parameter], group, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Sum the gradients of `params` over `group` (missing gradients count as zeros), in
-    buckets of at most `bucket_bytes` per dtype, all in flight together."""
-    buckets: list[list[nn.Parameter]] = []
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        current = by_dtype.setdefault(p.dtype, [])
-        if current and (sum(q.numel() for q in current) + p.numel()) * p.element_size() \
-                > bucket_bytes:
-            buckets.append(current)
-            current = by_dtype[p.dtype] = []
-        current.append(p)
-    buckets += [ps for ps in by_dtype.values() if ps]
-    pending = []
-    for ps in buckets:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in ps])
-        pending.append((compat.all_reduce(flat, group=group, async_op=True), flat, ps))
-    for work, flat, ps in pending:
-        work.wait()
-        offset = 0
-        for p in ps:
-            g = flat[offset:offset + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
-            offset += p.numel()

@@ -102,28 +102,25 @@ PRECISIONS = {
 
 def optimizer_spec(optimizer: str | OptimizerSpec | None) -> OptimizerSpec:
     """An optimizer by name ("adamw", "adam", "sgd-momentum", "sgd"), or the given spec."""
-    if optimizer is None:
-        return OPTIMIZERS["adamw"]
-    if isinstance(optimizer, OptimizerSpec):
-        return optimizer
-    try:
-        return OPTIMIZERS[optimizer.lower()]
-    except KeyError:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose from "
-                         f"{', '.join(OPTIMIZERS)} or pass an OptimizerSpec") from None
+    return _named(optimizer, OptimizerSpec, OPTIMIZERS, "adamw", "optimizer",
+                  " or pass an OptimizerSpec")
 
 
 def precision_spec(precision: str | Precision | None) -> Precision:
     """A precision by name ("fp32", "bf16-mixed"), or the given spec."""
-    if precision is None:
-        return PRECISIONS["fp32"]
-    if isinstance(precision, Precision):
-        return precision
+    return _named(precision, Precision, PRECISIONS, "fp32", "precision")
+
+
+def _named(value, spec_type: type, table: dict, default: str, what: str, hint: str = ""):
+    if value is None:
+        return table[default]
+    if isinstance(value, spec_type):
+        return value
     try:
-        return PRECISIONS[precision.lower()]
+        return table[value.lower()]
     except KeyError:
-        raise ValueError(f"unknown precision {precision!r}; choose from "
-                         f"{', '.join(PRECISIONS)}") from None
+        raise ValueError(f"unknown {what} {value!r}; choose from "
+                         f"{', '.join(table)}{hint}") from None
 
 
 def numel(shape) -> int:

@@ -27,6 +27,21 @@ from autopar.passes.placement import Placements, R, Replicate, Shard, is_partial
 BUCKET_BYTES = 25 * 2**20
 
 
+def buckets(items: list, nbytes, limit: float = BUCKET_BYTES) -> list[list]:
+    """`items` in order, grouped so that each group's `nbytes(item)` sum stays within `limit`
+    (an item larger than `limit` is a group of its own)."""
+    out: list[list] = []
+    size = 0
+    for item in items:
+        b = nbytes(item)
+        if not out or size + b > limit:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += b
+    return out
+
+
 class ReshardError(ValueError):
     """A placement change autopar does not express (to a pending sum)."""
 
