@@ -26,9 +26,9 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     compat.all_gather_single(buf, x, group=group)
     if dim == 0:
         return buf
-    shape = list(x.shape)
-    shape[dim] *= n
-    return buf.view(n, *x.shape).movedim(0, dim).reshape(shape)
+    full = torch.empty(_gathered(x.shape, dim, n), dtype=x.dtype, device=x.device)
+    _blocks(full, x.shape, dim, n).copy_(buf.view(n, *x.shape))
+    return full
 
 
 def _scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -38,8 +38,7 @@ def _scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if dim == 0:
         src = x.contiguous()
     else:
-        split = [*x.shape[:dim], n, shape[dim], *x.shape[dim + 1:]]
-        src = x.reshape(split).movedim(dim, 0).reshape(n * shape[0], *shape[1:])
+        src = _blocks(x, shape, dim, n).reshape(n * shape[0], *shape[1:])
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     compat.reduce_scatter_single(out, src, group=group)
     return out
@@ -133,16 +132,12 @@ class _AllGatherMany(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         n = dist.get_world_size(ctx.group)
+        # (autograd materializes missing gradients as zeros: every g is a tensor)
         sizes = [torch.Size(s).numel() for s in ctx.shapes]
-        ref = next(g for g in grads if g is not None)
-        src = torch.empty(n, sum(sizes), dtype=ref.dtype, device=ref.device)
+        src = torch.empty(n, sum(sizes), dtype=grads[0].dtype, device=grads[0].device)
         offset = 0
         for g, shape, d, size in zip(grads, ctx.shapes, ctx.dims, sizes):
-            block = src[:, offset:offset + size].view(n, *shape)
-            if g is None:
-                block.zero_()
-            else:
-                block.copy_(_blocks(g, shape, d, n))
+            src[:, offset:offset + size].view(n, *shape).copy_(_blocks(g, shape, d, n))
             offset += size
         out = torch.empty(src.shape[1], dtype=src.dtype, device=src.device)
         compat.reduce_scatter_single(out, src.view(-1), group=ctx.group)
