@@ -177,13 +177,28 @@ class CostModel:
         return numel(shape) * itemsize(self.dtype(dtype))
 
     # -- communication -------------------------------------------------------------------------
-    def collective_time(self, kind: str, mesh_dim: int, nbytes: float) -> float:
-        """Seconds for one collective of `nbytes` (the gathered size for gathers and scatters)."""
+    def collective_time(self, kind: str, mesh_dim: int, nbytes: float,
+                        latency: float = 1.0) -> float:
+        """Seconds for one collective of `nbytes` (the gathered size for gathers and scatters),
+        paying `latency` times the link's alpha (a share of it for bucketed collectives)."""
         n = self.shape[mesh_dim]
         if n == 1 or kind == "slice":
             return 0.0
         alpha, bandwidth = self.mesh.link(mesh_dim).for_kind(kind)
-        return alpha + ALGO_FACTOR[kind](n) * nbytes / bandwidth
+        return alpha * latency + ALGO_FACTOR[kind](n) * nbytes / bandwidth
+
+    def _priced_steps(self, steps: list[Step], dtype: torch.dtype, grad: bool,
+                      latency: float = 1.0):
+        """(kind, mesh dimension, bytes, seconds, phase) of each collective of `steps` and,
+        for a tensor carrying a gradient, of its dual in backward (same bytes)."""
+        for s in steps:
+            if s.kind == "slice" or self.shape[s.mesh_dim] == 1:
+                continue
+            nbytes = self.step_bytes(s, dtype)
+            kinds = [(s.kind, "forward")] + ([(DUAL[s.kind], "backward")] if grad else [])
+            for kind, phase in kinds:
+                yield (kind, s.mesh_dim, nbytes,
+                       self.collective_time(kind, s.mesh_dim, nbytes, latency), phase)
 
     def step_bytes(self, step: Step, dtype: torch.dtype) -> int:
         """The size a step's algorithm factor applies to."""
@@ -202,15 +217,7 @@ class CostModel:
             steps = plan_steps(shape, src, dst, self.shape)
         except ReshardError:
             return INFEASIBLE
-        t = 0.0
-        for s in steps:
-            if s.kind == "slice":
-                continue
-            nbytes = self.step_bytes(s, dtype)
-            t += self.collective_time(s.kind, s.mesh_dim, nbytes)
-            if grad:  # the dual collective in backward, same bytes
-                t += self.collective_time(DUAL[s.kind], s.mesh_dim, nbytes)
-        return t
+        return sum(c[3] for c in self._priced_steps(steps, dtype, grad))
 
     def edge_collectives(self, graph: StrategyGraph, consumer: SNode, slot: int,
                          src: Placements, dst: Placements) -> list[tuple[str, int, int, float,
@@ -224,10 +231,10 @@ class CostModel:
         of their gradients in backward), so such a gather pays the link latency in proportion
         to its share of a bucket (see `_bucket_share`); and once per placement, whichever ops
         use it, so each of the k ops using the parameter pays 1/k (exact when they use it
-        alike, as tied weights do). Other
-        tensors pay each consumer's resharding in full (the runtime reshards once per target
-        placement: consumers that want the same placement of one tensor, such as q, k and v
-        projections of one input, are counted once each, an overestimate)."""
+        alike, as tied weights do). Other tensors pay each consumer's resharding in full (the
+        runtime reshards once per target placement: consumers that want the same placement of
+        one tensor, such as q, k and v projections of one input, are counted once each, an
+        overestimate)."""
         producer = graph.nodes[consumer.inputs[slot][0]]
         idx = consumer.inputs[slot][1]
         dtype = producer.out_dtypes[idx or 0]
@@ -241,18 +248,8 @@ class CostModel:
         latency = self._bucket_share(graph, producer, self.step_bytes(steps[0], dtype)) \
             if grouped else 1.0
         share = 1.0 / max(1, facts.consumers[consumer.inputs[slot]]) if grouped else 1.0
-        out = []
-        for s in steps:
-            if s.kind == "slice":
-                continue
-            nbytes = self.step_bytes(s, dtype)
-            kinds = [(s.kind, "forward")] + ([(DUAL[s.kind], "backward")] if grad else [])
-            for kind, phase in kinds:
-                n = self.shape[s.mesh_dim]
-                alpha, bandwidth = self.mesh.link(s.mesh_dim).for_kind(kind)
-                t = alpha * latency + ALGO_FACTOR[kind](n) * nbytes / bandwidth
-                out.append((kind, s.mesh_dim, nbytes, t * share, phase))
-        return out
+        return [(kind, k, nbytes, t * share, phase)
+                for kind, k, nbytes, t, phase in self._priced_steps(steps, dtype, grad, latency)]
 
     def reshard_steps(self, shape, src, dst) -> list[Step]:
         return plan_steps(shape, src, dst, self.shape)
@@ -359,13 +356,8 @@ class CostModel:
         nbytes = self.nbytes(local_shape(node.out_shapes[0], storage, self.shape),
                              node.out_dtypes[0])
         share = self._bucket_share(self.graph, node, nbytes)
-        out = []
-        for k, p in enumerate(storage):
-            if isinstance(p, Replicate) and self.shape[k] > 1:
-                alpha, bandwidth = self.mesh.link(k).for_kind("all_reduce")
-                out.append((k, nbytes, alpha * share + ALGO_FACTOR["all_reduce"](
-                    self.shape[k]) * nbytes / bandwidth))
-        return out
+        return [(k, nbytes, self.collective_time("all_reduce", k, nbytes, share))
+                for k, p in enumerate(storage) if isinstance(p, Replicate) and self.shape[k] > 1]
 
     def _bucket_share(self, graph: StrategyGraph | None, node: SNode, nbytes: float) -> float:
         """The share of one bucketed collective's latency a parameter of `nbytes` pays:
