@@ -43,12 +43,7 @@ class ParallelModule(nn.Module):
         self._shards = nn.ParameterList()
         self._by_name: dict[str, nn.Parameter] = {}
         for name, full in full_params.items():
-            storage = plan.parameters[name]
-            block = full.detach()
-            for d, (start, length) in enumerate(local_slices(full.shape, storage, mesh_shape,
-                                                             coords)):
-                block = block.narrow(d, start, length)
-            p = nn.Parameter(block.clone(), requires_grad=full.requires_grad)
+            p = local_shard(full, plan.parameters[name], mesh_shape, coords)
             self._shards.append(p)
             self._by_name[name] = p
         replicated = [(p, tuple(k for k, pl in enumerate(plan.parameters[n])
@@ -124,13 +119,9 @@ class ParallelModule(nn.Module):
     # -- whole tensors, for checking and checkpoints -------------------------------------------
     def _whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
         storage: Placements = self.plan.parameters[name]
-        full_shape = _global_shape(t.shape, storage, self.plan.mesh.shape)
-        with torch.no_grad():
-            x = t.detach()
-            for s in plan_steps(full_shape, storage, tuple(R for _ in storage),
-                                self.plan.mesh.shape):
-                x = self._comm.all_gather(x, s.dim, s.mesh_dim)
-        return x
+        mesh_shape = self.plan.mesh.shape
+        return gather_whole(t, _global_shape(t.shape, storage, mesh_shape), storage, mesh_shape,
+                            self._comm)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter reassembled whole (a collective: call on all ranks)."""
@@ -140,6 +131,26 @@ class ParallelModule(nn.Module):
         """Every gradient reassembled whole (a collective: call on all ranks)."""
         return {n: self._whole(n, p.grad if p.grad is not None else torch.zeros_like(p))
                 for n, p in self._by_name.items()}
+
+
+def local_shard(full: torch.Tensor, storage: Placements, mesh_shape, coords) -> nn.Parameter:
+    """This rank's block (at mesh `coords`) of parameter `full` stored at `storage`, as a new
+    parameter."""
+    block = full.detach()
+    for d, (start, length) in enumerate(local_slices(full.shape, storage, mesh_shape, coords)):
+        block = block.narrow(d, start, length)
+    return nn.Parameter(block.clone(), requires_grad=full.requires_grad)
+
+
+def gather_whole(t: torch.Tensor, shape, storage: Placements, mesh_shape,
+                 comm: MeshComm) -> torch.Tensor:
+    """The whole tensor of global `shape` from this rank's block `t` stored at `storage`
+    (all-gathers over the mesh: a collective)."""
+    with torch.no_grad():
+        x = t.detach()
+        for s in plan_steps(shape, storage, tuple(R for _ in storage), mesh_shape):
+            x = comm.all_gather(x, s.dim, s.mesh_dim)
+    return x
 
 
 def _global_shape(shape, placements, mesh_shape) -> tuple:

@@ -32,12 +32,12 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.utils import _pytree as pytree
 
 from autopar.passes.pipeline_split import StageProgram, ValueMeta
-from autopar.passes.placement import R, local_shape, local_slices
-from autopar.solver.reshard import plan_steps
+from autopar.passes.placement import local_shape
 
 from . import compat
 from .collectives import MeshComm
 from .grad_sync import sum_grads
+from .module import gather_whole, local_shard
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved": ScheduleInterleaved1F1B}
@@ -129,12 +129,8 @@ class PipelineModule(nn.Module):
         mine = sorted(n for n, stages in holders.items()
                       if any(s % self._p == pp_coord for s in stages))
         for name in mine:
-            full = full_params[name]
-            block = full.detach()
-            for d, (start, length) in enumerate(local_slices(full.shape, plan.parameters[name],
-                                                             self._sub_shape, sub_coords)):
-                block = block.narrow(d, start, length)
-            p = nn.Parameter(block.clone(), requires_grad=full.requires_grad)
+            p = local_shard(full_params[name], plan.parameters[name], self._sub_shape,
+                            sub_coords)
             self._shards.append(p)
             self._by_name[name] = p
         by_placeholder = {ph: self._by_name[n] for ph, n in param_names.items()
@@ -289,13 +285,9 @@ class PipelineModule(nn.Module):
         shape, dtype = self._full_meta[name]
         storage = self.plan.parameters[name]
         if self._coord == self._owner[name]:
-            x = t.detach() if t is not None else torch.zeros(
+            x = t if t is not None else torch.zeros(
                 local_shape(shape, storage, self._sub_shape), dtype=dtype, device=self._device)
-            with torch.no_grad():
-                for s in plan_steps(shape, storage, tuple(R for _ in storage),
-                                    self._sub_shape):
-                    x = self._comm.all_gather(x, s.dim, s.mesh_dim)
-            x = x.contiguous()
+            x = gather_whole(x, shape, storage, self._sub_shape, self._comm).contiguous()
         else:
             x = torch.empty(shape, dtype=dtype, device=self._device)
         dist.broadcast(x, src=dist.get_global_rank(self._group, self._owner[name]),
