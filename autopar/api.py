@@ -197,9 +197,7 @@ class _Lazy(nn.Module):
         if blocks.names != pipe.blocks:
             raise ValueError("this model traces into other layer blocks than the plan's "
                              f"({blocks.names} vs {pipe.blocks}); re-plan with autopar.plan")
-        first = [0, *pipe.cuts]
-        stage_of = {n: max(k for k in range(pipe.num_stages) if first[k] <= b)
-                    for n, b in blocks.of_node.items()}
+        stage_of = blocks.stage_of(pipe.cuts, pipe.num_stages)
         coords = tuple(self._mesh.get_coordinate())
         dims = [k for k in range(self._mesh.ndim) if k != pp]
         sub_coords = tuple(coords[k] for k in dims) or (0,)

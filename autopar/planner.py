@@ -232,9 +232,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: i
                                f"size ({again.names} vs {blocks.names})")
         blocks = again
     num_stages = p * v
-    first = [0, *best.cuts]
-    stage_of = {n: max(k for k in range(num_stages) if first[k] <= b)
-                for n, b in blocks.of_node.items()}
+    stage_of = blocks.stage_of(best.cuts, num_stages)
 
     # Intra-op per stage, in order: a stage's inputs keep the placements they were produced in.
     worst = max(pipe.in_flight(sched, p, m, v, r) for r in range(p))
@@ -255,7 +253,8 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: i
                                          forced=forced, discouraged=discouraged, draw=draw,
                                          program=program.graph_module)
         except NoFeasiblePlan:
-            names = blocks.names[first[s]:(first + [len(blocks.names)])[s + 1]]
+            bounds = [0, *best.cuts, len(blocks.names)]
+            names = blocks.names[bounds[s]:bounds[s + 1]]
             raise NoFeasiblePlan(
                 f"pipeline stage {s} ({', '.join(names)}) fits no plan within "
                 f"{pipe.stage_budget(budget, v) / 2**30:.2f} GiB per device with {worst:g} "

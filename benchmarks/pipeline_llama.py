@@ -37,25 +37,13 @@ def plan_llama(layers: int, hidden: int, mlp: int, heads: int, kv_heads: int, vo
 
 
 def summary(plan, seconds: float) -> str:
-    pipe = plan.pipeline
-    lines = [f"  schedule {pipe.schedule}, {pipe.microbatches} microbatches of "
-             f"{pipe.batch_size // pipe.microbatches}, {pipe.virtual_stages} stage(s) per pp "
-             f"rank, bubble {pipe.bubble:.4f}",
-             f"  predicted step {plan.cost.step_time * 1e3:.1f} ms (compute "
-             f"{plan.cost.compute * 1e3:.1f} ms, bubble + waits "
-             f"{plan.cost.communication.get('pipeline_bubble', 0) * 1e3:.1f} ms, p2p "
-             f"{plan.cost.communication.get('p2p', 0) * 1e3:.1f} ms); planned in "
-             f"{seconds:.1f} s"]
-    for k in range(pipe.num_stages):
-        names = pipe.stage_blocks(k)
-        shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-        lines.append(f"  stage {k} (pp rank {k % plan.mesh.shape[pipe.mesh_dim]}): "
-                     f"{shown} ({len(names)} blocks), "
-                     f"{pipe.stage_time[k] * 1e3:.2f} ms per microbatch")
-    for r, mem in enumerate(pipe.rank_memory):
-        lines.append(f"  pp rank {r}: {sum(mem.values()) / 2**30:.2f} GiB per device "
-                     f"(activations {mem['activations'] / 2**30:.2f} GiB)")
-    return "\n".join(lines)
+    comm = plan.cost.communication
+    return "\n".join(
+        [f"  predicted step {plan.cost.step_time * 1e3:.1f} ms (compute "
+         f"{plan.cost.compute * 1e3:.1f} ms, bubble + waits "
+         f"{comm.get('pipeline_bubble', 0) * 1e3:.1f} ms, p2p {comm.get('p2p', 0) * 1e3:.1f} "
+         f"ms); planned in {seconds:.1f} s"]
+        + ["  " + line for line in plan.pipeline.lines()])
 
 
 def main() -> None:

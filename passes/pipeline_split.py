@@ -37,6 +37,12 @@ class LayerBlocks:
     names: list[str]
     of_node: dict[str, int]
 
+    def stage_of(self, cuts, num_stages: int) -> dict[str, int]:
+        """The stage of every node when stage k starts at block cuts[k - 1] (stage 0 at 0)."""
+        first = [0, *cuts]
+        return {n: max(k for k in range(num_stages) if first[k] <= b)
+                for n, b in self.of_node.items()}
+
 
 def layer_blocks(program: TracedProgram, graph: StrategyGraph) -> LayerBlocks:
     """Coarsen `graph` (the strategy graph of `program`) into a chain of layer blocks."""
