@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autopar.runtime import compat  # noqa: E402
 from autopar.solver.cost import ALGO_FACTOR  # noqa: E402
+from tests.world import free_port  # noqa: E402
 
 
 def worker(rank: int, world: int, port: int, sizes: list[int], out: dict) -> None:
@@ -59,9 +59,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,4,16,32,64,128", help="MiB, comma separated")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.spawn(worker, args=(a.world, port, sizes, out), nprocs=a.world)
     print(f"\n{a.world} gloo ranks on {os.cpu_count()} CPU cores, one collective at a time\n")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import statistics
 import sys
 import time
@@ -30,9 +29,11 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_model import BenchConfig, BenchGPT, loss_fn  # noqa: E402
 
 import autopar  # noqa: E402
+from tests.world import free_port  # noqa: E402
 
 WORLD = 4
 
@@ -176,9 +177,7 @@ def main() -> None:
     only = tuple(n.strip() for n in a.only.split(",") if n.strip())
     cfg = BenchConfig(a.vocab, a.seq, a.layers, a.heads, a.hidden)
     n_params = sum(p.numel() for p in BenchGPT(cfg).parameters())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.spawn(worker, args=(port, cfg, a.batch, a.steps, out, not a.no_calibrate, only),
              nprocs=WORLD)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import statistics
 import sys
 import time
@@ -22,9 +21,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_model import BenchConfig, BenchGPT, loss_fn  # noqa: E402
 
 import autopar  # noqa: E402
+from tests.world import free_port  # noqa: E402
 
 
 def main() -> None:
@@ -36,9 +37,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     cfg = BenchConfig(layers=a.layers, hidden=a.hidden)

@@ -36,7 +36,8 @@ class WorkerError(RuntimeError):
     """A task failed, crashed or timed out on at least one rank."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's store)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -148,7 +149,7 @@ class World:
 
     def _spawn(self) -> None:
         ctx = multiprocessing.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._procs, self._conns = [], []
         for rank in range(self.size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
