@@ -65,13 +65,6 @@ class SNode:
     source: str = ""               # the model line, when FX recorded it
     param_name: str | None = None  # the model's parameter name (PARAM nodes)
 
-    def out_bytes(self, i: int = 0) -> int:
-        """Bytes of output `i` at its global shape."""
-        n = 1
-        for s in self.out_shapes[i]:
-            n *= s
-        return n * _itemsize(self.out_dtypes[i])
-
 
 @dataclass
 class StrategyGraph:
@@ -82,10 +75,6 @@ class StrategyGraph:
     loss: tuple[str, int | None] | None     # the loss value, required replicated
     outputs: list[tuple[str, int | None]]   # the model's flattened outputs
     unsupported: list[str] = field(default_factory=list)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _vals(node: fx.Node) -> list[Any]:

@@ -128,7 +128,7 @@ def numel(shape) -> int:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 class CostModel:

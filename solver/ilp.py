@@ -36,7 +36,7 @@ from ortools.linear_solver import pywraplp
 
 from autopar.passes.cluster import Clustering, identity
 from autopar.passes.placement import Partial, R
-from autopar.passes.strategies import SNode, Strategy, StrategyGraph
+from autopar.passes.strategies import SNode, StrategyGraph
 
 from .cost import INFEASIBLE, CostModel
 from .memory import explain_infeasible
@@ -342,7 +342,3 @@ def _classes(placements) -> dict:
     for k, p in enumerate(placements):
         out[p].append(k)
     return dict(out)
-
-
-def strategy_of(node: SNode, choice: dict[str, int]) -> Strategy:
-    return node.strategies[choice[node.name]]

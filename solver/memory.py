@@ -32,6 +32,7 @@ form.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -117,17 +118,17 @@ def extra_saved_bytes(cost: CostModel, node: SNode, strategy: Strategy) -> float
     op = node.op
     if op.startswith(("layer_norm", "native_layer_norm", "rms_norm")) and node.call is not None:
         normalized = len(node.call.arg(1, "normalized_shape", ()) or ())
-        rows = _prod(in_local[0][:len(in_local[0]) - normalized])
+        rows = math.prod(in_local[0][:len(in_local[0]) - normalized])
         return rows * 4 * (2 if "layer_norm" in op else 1)
     if op.startswith("scaled_dot_product_attention"):
-        lse = _prod(in_local[0][:-1]) * 4
+        lse = math.prod(in_local[0][:-1]) * 4
         if len(in_local) > 3 and _is_bool_input(node, 3):
             # SDPA turns a boolean mask into an additive mask of the query's dtype, at the
             # mask's full (broadcast) shape, and keeps that for backward.
-            lse += _prod(in_local[3]) * _itemsize(cost.dtype(node.call.inputs[0].dtype))
+            lse += math.prod(in_local[3]) * cost.dtype(node.call.inputs[0].dtype).itemsize
         return lse
     if op.startswith("dropout") and node.call is not None and node.call.arg(1, "p", 0.0):
-        return _prod(out_local[0])
+        return math.prod(out_local[0])
     return 0.0
 
 
@@ -190,7 +191,7 @@ def node_infos(graph: StrategyGraph) -> dict[str, NodeInfo]:
     def kept(ref: tuple) -> Kept:
         r = root_of(ref)
         rv, tv = graph.nodes[r[0]], graph.nodes[ref[0]]
-        scale = _prod(rv.out_shapes[r[1] or 0]) / max(1, _prod(tv.out_shapes[ref[1] or 0]))
+        scale = math.prod(rv.out_shapes[r[1] or 0]) / max(1, math.prod(tv.out_shapes[ref[1] or 0]))
         return Kept(uses[r], direct[ref], scale, rv.kind in (PARAM, INPUT, CONSTANT))
 
     out = {}
@@ -269,15 +270,15 @@ def edge_saved_bytes(cost: CostModel, graph: StrategyGraph, consumer: SNode, slo
 def parameter_bytes(cost: CostModel, node: SNode, storage) -> dict[str, float]:
     """Bytes per device of one parameter stored at `storage`: the parameter and its gradient
     (compute dtype), the optimizer's states and master copy (master dtype) and scalars."""
-    local = _prod(local_shape(node.out_shapes[0], storage, cost.shape))
+    local = math.prod(local_shape(node.out_shapes[0], storage, cost.shape))
     dtype = node.out_dtypes[0]
     compute = cost.dtype(dtype)
     master = cost.precision.master if dtype.is_floating_point else None
     opt = cost.optimizer
-    state_size = _itemsize(master or dtype)
+    state_size = (master or dtype).itemsize
     copies = opt.states + (1 if master is not None else 0)
-    return {"parameters": float(local * _itemsize(compute)),
-            "gradients": float(local * _itemsize(compute)),
+    return {"parameters": float(local * compute.itemsize),
+            "gradients": float(local * compute.itemsize),
             "optimizer": float(local * state_size * copies + opt.scalar_bytes)}
 
 
@@ -321,8 +322,8 @@ def zero_memory(num_params: int, devices: int, setup: str | int, precision="bf16
     from .cost import optimizer_spec, precision_spec
     stage = ZERO_STAGES[setup] if isinstance(setup, str) else int(setup)
     prec, opt = precision_spec(precision), optimizer_spec(optimizer)
-    p = _itemsize(prec.compute)
-    k = _itemsize(prec.master or prec.compute) * (opt.states + (1 if prec.master else 0))
+    p = prec.compute.itemsize
+    k = (prec.master or prec.compute).itemsize * (opt.states + (1 if prec.master else 0))
 
     def share(sharded: bool) -> float:
         return num_params / devices if sharded else num_params
@@ -437,12 +438,3 @@ def _gib(b: float) -> str:
     return f"{b / GiB:.3f} GiB"
 
 
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

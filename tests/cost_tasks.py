@@ -4,7 +4,6 @@ import them by name): measured memory per rank, step times, calibration."""
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 
 import torch
@@ -90,31 +89,6 @@ def measured_memory(name, mesh_shape, force, optimizer: str = "adamw") -> dict:
     return {"measured": got, "predicted": dict(pm.plan.cost.memory),
             "saved": [(n, saved.shapes[k]) for k, n in saved.storages.items()],
             "plan": pm.plan.to_dict() if dist.get_rank() == 0 else None}
-
-
-def step_times(name, mesh_shape, plan: dict, steps: int = 5, warmup: int = 2) -> list[float]:
-    """Seconds of each of `steps` training steps (forward, backward, gradient sync) of the
-    given plan, after `warmup` steps; every step starts together on all ranks and ends when
-    the slowest rank is done."""
-    model, loss_fn, (x, y) = build(name)
-    mesh = mesh_for(mesh_shape)
-    pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y),
-                             plan=autopar.Plan.from_dict(plan))
-    times = []
-    flag = torch.zeros(1)
-    for i in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
-        pm.step(x, y)
-        flag[0] = time.perf_counter() - start
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the step ends with the slowest rank
-        if i >= warmup:
-            times.append(float(flag[0]))
-    return times
-
-
-def median_step_time(name, mesh_shape, plan: dict, steps: int = 5) -> float:
-    return statistics.median(step_times(name, mesh_shape, plan, steps))
 
 
 def calibrated_profile(mesh_shape, **kwargs) -> dict:
