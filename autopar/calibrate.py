@@ -58,16 +58,14 @@ __all__ = ["calibrate", "fit_link"]
 
 def calibrate(mesh, hardware: str | HardwareProfile | None = None, *,
               sizes: tuple[int, ...] | None = None, kinds: tuple[str, ...] = KINDS,
-              min_time: float = 0.02, compute: bool = True, compute_time: float = 0.1,
-              busy: float = 0.0) -> HardwareProfile:
+              min_time: float = 0.02, compute: bool = True,
+              compute_time: float = 0.1) -> HardwareProfile:
     """Measure `mesh` (a torch DeviceMesh; a collective: call on every rank) and return
     `hardware` (default: "cpu" for a CPU mesh, "h100" otherwise) with measured links,
     devices per node and (with `compute`) per-rank compute figures. `sizes` are the message
     sizes in bytes (default: 4 KiB to 16 MiB on CPUs, 64 KiB to 256 MiB on GPUs); each
     measurement repeats its collective for at least `min_time` seconds, and each compute
-    measurement its op for `compute_time` seconds. With `busy` seconds every collective is
-    timed after that much compute, and the compute subtracted (an experiment: on this kind of
-    CPU world it added noise rather than accuracy)."""
+    measurement its op for `compute_time` seconds."""
     device = torch.device(mesh.device_type)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -86,8 +84,8 @@ def calibrate(mesh, hardware: str | HardwareProfile | None = None, *,
         for nbytes in sizes:
             fns = {k: _collective(kind, nbytes, mesh.size(k), groups[k], device)
                    for k in dims_used}
-            times = {k: _slowest(_timed(fns[k], mesh.size(k), groups[k], device, min_time,
-                                        busy)) for k in dims_used}
+            times = {k: _slowest(time_per_call(fns[k], min_time, sync, groups[k]))
+                     for k in dims_used}
             for k in dims_used:
                 alone[k].append((kind, nbytes, times[k]))
             if len(dims_used) > 1:
@@ -217,44 +215,6 @@ def _collective(kind: str, nbytes: int, n: int, group, device):
         out = torch.empty_like(full)
         return lambda: compat.all_to_all_single(out, full, group=group)
     raise ValueError(f"unknown collective {kind!r}; choose from {KINDS}")
-
-
-def _timed(fn, n: int, group, device, min_time: float, busy: float = 0.0) -> float:
-    """Seconds of one call of collective `fn`; with `busy` > 0 each call follows that many
-    seconds of compute (what a training step does between collectives), subtracted again."""
-    sync = device_sync(device)
-    if not busy:
-        return time_per_call(fn, min_time, sync, group)
-    work = _busy_work(busy, device, sync)
-
-    def both():
-        work()
-        fn()
-
-    # Rounds alternate compute alone and compute + collective; the median difference is the
-    # collective's time (never below a microsecond: noise can make a difference negative).
-    diffs = [time_per_call(both, min_time, sync, group, rounds=1)
-             - time_per_call(work, min_time, sync, group, rounds=1) for _ in range(5)]
-    return max(1e-6, statistics.median(diffs))
-
-
-def _busy_work(seconds: float, device, sync):
-    """A matmul chain that takes about `seconds` here."""
-    a = torch.randn(128, 128, device=device)
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    sync()
-    reps = max(1, round(seconds / max((time.perf_counter() - start) / 10, 1e-9)))
-    reps = torch.tensor([reps])
-    dist.all_reduce(reps, op=dist.ReduceOp.MIN)  # every rank computes as much
-    reps = int(reps[0])
-
-    def work():
-        for _ in range(reps):
-            a @ a
-
-    return work
 
 
 def device_sync(device):

@@ -89,7 +89,7 @@ def names(shape) -> tuple[str, ...]:
 
 def run(model: str = "gpt", world_size: int = 4, rounds: int = 5, steps: int = 3,
         configs=None, min_time: float = 0.02, sizes=None, out=print, world=None,
-        ops: bool = False, busy: float = 0.0) -> dict:
+        ops: bool = False) -> dict:
     """Calibrate, plan, measure; print the table; return the rows and the statistics. A
     running `world` (tests.world.World) of `world_size` ranks is used if given. With `ops`,
     the same plans are also priced with op times measured on the ranks (autopar.profile)."""
@@ -105,7 +105,7 @@ def run(model: str = "gpt", world_size: int = 4, rounds: int = 5, steps: int = 3
         for shape in sorted({s for s, _ in configs}, key=len):
             # Links per mesh; per-rank compute measured once, for every mesh alike.
             kwargs = {"min_time": min_time, "compute_time": max(0.01, 5 * min_time),
-                      "compute": not profiles, "busy": busy}
+                      "compute": not profiles}
             if sizes:
                 kwargs["sizes"] = sizes
             prof = HardwareProfile.from_dict(
@@ -241,8 +241,6 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ops", action="store_true",
                         help="also price the plans with op times measured on the ranks")
-    parser.add_argument("--busy", type=float, default=0.0,
-                        help="calibrate collectives after this many seconds of compute")
     parser.add_argument("--memory", action="store_true",
                         help="instead: measured vs predicted memory per rank after a step")
     parser.add_argument("--tiny", action="store_true",
@@ -255,7 +253,7 @@ def main(argv=None) -> None:
             configs=[((args.world,), "data"), ((args.world,), "tensor")], min_time=0.001,
             sizes=(2**12, 2**16))
     else:
-        run(args.model, args.world, args.rounds, args.steps, ops=args.ops, busy=args.busy)
+        run(args.model, args.world, args.rounds, args.steps, ops=args.ops)
 
 
 if __name__ == "__main__":
