@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime import compat
-from autopar.solver.cost import ALGO_FACTOR
+from autopar.solver.cost import ALGO_FACTOR, CostModel
 
 from .hardware import HardwareProfile, Link, get_profile
 from .mesh import MeshSpec
@@ -302,10 +302,11 @@ def _probe_steps(profile: HardwareProfile, device, seconds: float) -> dict:
     once, and fit the factors by which the cost model's two parts of a compute prediction from
     `profile` on one device (the roofline, and the fixed cost of each op and view) must be
     scaled to predict them: least squares on relative errors, neither factor below 1."""
-    from .api import plan
+    from autopar.passes import strategies
+    from autopar.passes.trace import trace
     gen = torch.Generator().manual_seed(0)
-    spec = MeshSpec((1,), hardware=profile)
-    roofline_only = MeshSpec((1,), hardware=_scaled(profile, 1.0, 0.0))
+    whole_cost = CostModel(MeshSpec((1,), hardware=profile))
+    roofline_cost = CostModel(MeshSpec((1,), hardware=_scaled(profile, 1.0, 0.0)))
     rows, out = [], {}
     for vocab, hidden, heads, batch, seq in _PROBES["cpu" if device.type == "cpu" else "gpu"]:
         with torch.device(device):
@@ -317,8 +318,11 @@ def _probe_steps(profile: HardwareProfile, device, seconds: float) -> dict:
             model(ids, ids).backward()
 
         t = _slowest(time_per_call(step, seconds, device_sync(device), dist.group.WORLD))
-        whole = plan(model, spec, (ids, ids)).cost.compute
-        roof = plan(model, roofline_only, (ids, ids)).cost.compute
+        # On one device every op has one strategy: the plan's compute is their sum.
+        graph = strategies.build(trace(model, (ids, ids)), (1,))
+        whole, roof = (sum(cost.copy(graph=graph).compute_time(v, v.strategies[0])
+                           for v in graph.nodes.values())
+                       for cost in (whole_cost, roofline_cost))
         rows.append((roof / t, (whole - roof) / t))
         out[f"probe_{hidden}x{batch * seq}"] = {"measured": t, "roofline": roof,
                                                "fixed": whole - roof}
