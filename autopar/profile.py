@@ -30,7 +30,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.passes.placement import local_shape
-from autopar.passes.rules import LOWERINGS, LocalContext, TensorArg
+from autopar.passes.rewrite import local_context
+from autopar.passes.rules import LOWERINGS, TensorArg
 from autopar.passes.strategies import CONSTANT, SNode, Strategy, StrategyGraph
 from autopar.solver.cost import CostModel
 
@@ -86,6 +87,7 @@ class OpProfiler:
             self.path = folder / f"{self.name}-torch{torch.__version__}.json"
         self.times: dict[str, list[float] | None] = self._load()
         self.measured_now = 0  # keys timed by this profiler (not from the cache)
+        self._engine: float | None = None
 
     # -- the cache -----------------------------------------------------------------------------
     def _load(self) -> dict:
@@ -151,7 +153,7 @@ class OpProfiler:
     def engine_overhead(self) -> float:
         """Seconds one backward call costs beyond its ops (starting the autograd engine), which
         a training step pays once, not per op: timed on a one-element op and subtracted."""
-        if getattr(self, "_engine", None) is None:
+        if self._engine is None:
             x = torch.ones(1, device=self.device, requires_grad=True)
             seed = torch.ones(1, device=self.device)
             tiny = self._timeit(lambda: x.mul(1.0))
@@ -173,11 +175,7 @@ class OpProfiler:
         target = node.call.target
         lower = LOWERINGS.get(target)
         if lower is not None:
-            outs = strategy.output if node.multi_output else (strategy.output,)
-            ctx = LocalContext(mesh_shape, tuple(0 for _ in mesh_shape), strategy.inputs,
-                               strategy.output,
-                               [local_shape(s, p, mesh_shape)
-                                for s, p in zip(node.out_shapes, outs)])
+            ctx = local_context(node, strategy, mesh_shape, tuple(0 for _ in mesh_shape))
             target, args, kwargs = lower(node.call, args, kwargs, ctx)
 
         def run():

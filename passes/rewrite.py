@@ -26,7 +26,7 @@ from autopar.solver.reshard import BUCKET_BYTES, buckets, plan_steps
 
 from .placement import Placements, R, local_shape
 from .rules import LOWERINGS, LocalContext, TensorArg
-from .strategies import CONSTANT, PARAM, Strategy, StrategyGraph
+from .strategies import CONSTANT, PARAM, SNode, Strategy, StrategyGraph
 from .trace import TracedProgram
 
 
@@ -142,9 +142,7 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
                                         strat.inputs[slot]))
         call = snode.call
         args, kwargs = _substitute((call.args, call.kwargs), local_inputs)
-        outs = strat.output if snode.multi_output else (strat.output,)
-        ctx = LocalContext(mesh_shape, coords, strat.inputs, strat.output,
-                           [local_shape(s, p, mesh_shape) for s, p in zip(snode.out_shapes, outs)])
+        ctx = local_context(snode, strat, mesh_shape, coords)
         lower = LOWERINGS.get(node.target) if snode.kind != CONSTANT else None
         target, args, kwargs = lower(call, args, kwargs, ctx) if lower else (
             node.target, args, kwargs)
@@ -184,6 +182,14 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
                 infer.graph.erase_node(n)
         infer.recompile()
     return LocalPrograms(train, infer, placeholders, loss_placement)
+
+
+def local_context(node: SNode, strategy: Strategy, mesh_shape: tuple[int, ...],
+                  coords: tuple[int, ...]) -> LocalContext:
+    """What a lowering of `node` under `strategy` needs to know of the rank at `coords`."""
+    outs = strategy.output if node.multi_output else (strategy.output,)
+    return LocalContext(mesh_shape, coords, strategy.inputs, strategy.output,
+                        [local_shape(s, p, mesh_shape) for s, p in zip(node.out_shapes, outs)])
 
 
 def _fsdp_gathers(graph: StrategyGraph, choice: dict[str, Strategy],
