@@ -143,7 +143,8 @@ class CostModel:
     def __init__(self, mesh, optimizer: str | OptimizerSpec | None = None,
                  bucket_bytes: float = BUCKET_BYTES, *, graph: StrategyGraph | None = None,
                  precision: str | Precision | None = None,
-                 measured: Mapping[str, tuple[float, float]] | None = None):
+                 measured: Mapping[str, tuple[float, float]] | None = None,
+                 activation_factor: float = 1.0):
         self.mesh = mesh
         self.bucket_bytes = bucket_bytes
         self.hw = mesh.profile
@@ -152,14 +153,16 @@ class CostModel:
         self.precision = precision_spec(precision)
         self.measured = dict(measured or {})
         self.graph = graph
+        self.activation_factor = activation_factor  # microbatches in flight (pipeline stages)
         self.info: dict[str, mem.NodeInfo] = mem.node_infos(graph) if graph is not None else {}
         self._reshard = lru_cache(maxsize=None)(self._reshard_uncached)
 
     def copy(self, **changes) -> CostModel:
         """The same model with some settings changed (mesh, optimizer, bucket_bytes, graph,
-        precision, measured)."""
+        precision, measured, activation_factor)."""
         kw = dict(mesh=self.mesh, optimizer=self.optimizer, bucket_bytes=self.bucket_bytes,
-                  graph=self.graph, precision=self.precision, measured=self.measured)
+                  graph=self.graph, precision=self.precision, measured=self.measured,
+                  activation_factor=self.activation_factor)
         kw.update(changes)
         out = copy.copy(self)  # keeps a subclass's own state
         CostModel.__init__(out, **kw)
@@ -378,14 +381,16 @@ class CostModel:
 
     def activation_memory(self, node: SNode, strategy: Strategy) -> float:
         """Bytes per device autograd keeps for backward on account of this node's strategy: its
-        own output when its backward needs it, and statistics (solver/memory.py)."""
-        return mem.saved_bytes(self, node, strategy)
+        own output when its backward needs it, and statistics (solver/memory.py), times the
+        microbatches in flight (`activation_factor`)."""
+        return self.activation_factor * mem.saved_bytes(self, node, strategy)
 
     def edge_memory(self, graph: StrategyGraph, consumer: SNode, slot: int,
                     src: Placements, dst: Placements) -> float:
         """Bytes per device autograd keeps of input `slot` of `consumer` when it is produced at
         `src` and consumed at `dst` (solver/memory.py)."""
-        return mem.edge_saved_bytes(self, graph, consumer, slot, tuple(src), tuple(dst))
+        return self.activation_factor * mem.edge_saved_bytes(self, graph, consumer, slot,
+                                                             tuple(src), tuple(dst))
 
     # -- whole nodes ---------------------------------------------------------------------------
     def node_time(self, node: SNode, strategy: Strategy) -> float:

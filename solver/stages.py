@@ -61,7 +61,6 @@ After the cut, planner.solve_pipeline_plan solves each stage's intra-op ILP on t
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -592,20 +591,7 @@ def price_blocks(graph: StrategyGraph, cost: CostModel, block_of: dict[str, int]
 def activation_scaled(cost: CostModel, factor: float) -> CostModel:
     """A copy of `cost` whose kept activations count `factor` microbatches in flight (what the
     intra-op ILP's memory constraint must see for one pipeline stage)."""
-    scaled = copy.copy(cost)
-    scaled.__class__ = _InFlight
-    scaled.factor = factor
-    return scaled
-
-
-class _InFlight(CostModel):
-    factor = 1.0
-
-    def activation_memory(self, node, strategy) -> float:
-        return self.factor * super().activation_memory(node, strategy)
-
-    def edge_memory(self, graph, consumer, slot, src, dst) -> float:
-        return self.factor * super().edge_memory(graph, consumer, slot, src, dst)
+    return cost.copy(activation_factor=factor)
 
 
 def stage_budget(memory_budget: float, v: int) -> float:
