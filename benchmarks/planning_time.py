@@ -62,7 +62,7 @@ def run(layers: int, mesh: tuple[int, ...]) -> dict:
     sol = solve(graph, CostModel(spec), clustering=clusters)
     t3 = time.perf_counter()
     start = time.perf_counter()
-    plan = autopar.plan(model, spec, (ids, ids), lm_loss=lm_loss, memory_budget=float("inf"))
+    plan = autopar.plan(model, spec, (ids, ids), loss_fn=lm_loss, memory_budget=float("inf"))
     whole = time.perf_counter() - start
     return {"layers": layers, "mesh": "x".join(map(str, mesh)), "nodes": len(graph.nodes),
             "owners": len(clusters.owners()), "vars": sol.num_variables,
