@@ -6,15 +6,21 @@
     profile = autopar.calibrate(device_mesh)        # a HardwareProfile of the real machine
 """
 
-from . import profile
+from autopar.runtime.control import RankError
+
+from . import checkpoint, profile
 from .api import PlanMismatchError, parallelize, plan
 from .calibrate import calibrate
 from .hardware import A100, CPU, H100, H200, PROFILES, HardwareProfile, Link, get_profile
 from .mesh import MeshSpec
+from .options import PlanOptions
+from .parallelized import Parallelized
 from .plan import Collective, OpEntry, Plan, PlanCost
+from .search import Cluster
 
 __all__ = [
-    "A100", "CPU", "H100", "H200", "PROFILES", "Collective", "HardwareProfile", "Link",
-    "MeshSpec", "OpEntry", "Plan", "PlanCost", "PlanMismatchError", "calibrate", "get_profile",
-    "parallelize", "plan", "profile",
+    "A100", "CPU", "H100", "H200", "PROFILES", "Cluster", "Collective", "HardwareProfile", "Link",
+    "MeshSpec", "OpEntry", "Parallelized", "Plan", "PlanCost", "PlanMismatchError",
+    "PlanOptions", "RankError", "calibrate", "checkpoint", "get_profile", "parallelize", "plan",
+    "profile",
 ]

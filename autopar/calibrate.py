@@ -23,13 +23,13 @@ with the number of ranks per host found from the host names) and one link is fit
 Per-rank compute is measured with every rank busy at once (ranks sharing a machine share its
 cores and memory bandwidth): dense matmul flop/s per dtype, elementwise memory bandwidth, and the
 fixed cost of an op (forward + backward, per op) and of a view. Those are then checked against
-training steps of a small transformer (`_Probe`: embedding, attention, MLP, norms, a
-cross-entropy head) at three batch sizes, timed on every rank at once: a step takes longer than
-the cost model predicts from the op figures alone (allocation, autograd's bookkeeping, caches
-that a whole step overflows), and two factors fitted to the three steps, `throughput_factor`
-(flop/s and bandwidth divided by it) and `op_cost_factor` (op and view costs multiplied), make
-the model predict them. Every rank returns the same profile (measurements are gathered, each
-taking the slowest rank's time).
+training steps of a small transformer (autopar.zoo's GPT with one layer: embeddings,
+attention, MLP, norms, a cross-entropy head) at three sizes, timed on every rank at once: a
+step takes longer than the cost model predicts from the op figures alone (allocation,
+autograd's bookkeeping, caches that a whole step overflows), and two factors fitted to the
+three steps, `throughput_factor` (flop/s and bandwidth divided by it) and `op_cost_factor` (op
+and view costs multiplied), make the model predict them. Every rank returns the same profile
+(measurements are gathered, each taking the slowest rank's time).
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.runtime import compat
+from autopar.passes import torch_compat
 from autopar.solver.cost import ALGO_FACTOR, CostModel
 
 from .hardware import HardwareProfile, Link, get_profile
 from .mesh import MeshSpec
+from .zoo import GPT, GPTConfig, lm_loss
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 CPU_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22, 2**24)
@@ -206,14 +207,14 @@ def _collective(kind: str, nbytes: int, n: int, group, device):
     full = torch.ones(numel, device=device)
     part = torch.ones(numel // n, device=device)
     if kind == "all_reduce":
-        return lambda: compat.all_reduce(full, group=group)
+        return lambda: torch_compat.all_reduce(full, group=group)
     if kind == "all_gather":
-        return lambda: compat.all_gather_single(full, part, group=group)
+        return lambda: torch_compat.all_gather_single(full, part, group=group)
     if kind == "reduce_scatter":
-        return lambda: compat.reduce_scatter_single(part, full, group=group)
+        return lambda: torch_compat.reduce_scatter_single(part, full, group=group)
     if kind == "all_to_all":
         out = torch.empty_like(full)
-        return lambda: compat.all_to_all_single(out, full, group=group)
+        return lambda: torch_compat.all_to_all_single(out, full, group=group)
     raise ValueError(f"unknown collective {kind!r}; choose from {KINDS}")
 
 
@@ -262,44 +263,17 @@ def _compute(device, seconds: float) -> dict[str, float]:
     return out
 
 
-class _Probe(torch.nn.Module):
-    """One pre-norm transformer block with an embedding and a cross-entropy head: the op mix of
-    the models autopar plans, small enough to time in a fraction of a second."""
-
-    def __init__(self, vocab: int, hidden: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.emb = torch.nn.Embedding(vocab, hidden)
-        self.norm1 = torch.nn.LayerNorm(hidden)
-        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
-        self.proj = torch.nn.Linear(hidden, hidden)
-        self.norm2 = torch.nn.LayerNorm(hidden)
-        self.up = torch.nn.Linear(hidden, 4 * hidden)
-        self.down = torch.nn.Linear(4 * hidden, hidden)
-        self.head = torch.nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, ids, targets):
-        b, t = ids.shape
-        x = self.emb(ids)
-        q, k, v = self.qkv(self.norm1(x)).split(x.shape[-1], dim=-1)
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
-        x = x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
-        logits = self.head(x)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-# Probe sizes (vocab, hidden, heads, batch, sequence): a tiny one whose step is mostly the fixed
-# cost of its ops, and two whose steps are mostly arithmetic.
+# Probe sizes (vocab, hidden, heads, batch, sequence) of a one-layer GPT, the op mix of the models
+# autopar plans: a tiny one whose step is mostly the fixed cost of its ops, and two whose steps
+# are mostly arithmetic.
 _PROBES = {"cpu": ((256, 32, 2, 1, 16), (2048, 256, 4, 1, 128), (2048, 256, 4, 8, 128)),
            "gpu": ((1024, 256, 4, 1, 64), (32768, 2048, 16, 1, 1024),
                    (32768, 2048, 16, 8, 1024))}
 
 
 def _probe_steps(profile: HardwareProfile, device, seconds: float) -> dict:
-    """Time training steps (forward + backward) of `_Probe` at three sizes on every rank at
-    once, and fit the factors by which the cost model's two parts of a compute prediction from
+    """Time training steps (forward + backward) of a one-layer GPT at three sizes on every rank
+    at once, and fit the factors by which the cost model's two parts of a compute prediction from
     `profile` on one device (the roofline, and the fixed cost of each op and view) must be
     scaled to predict them: least squares on relative errors, neither factor below 1."""
     from autopar.passes import strategies
@@ -310,27 +284,28 @@ def _probe_steps(profile: HardwareProfile, device, seconds: float) -> dict:
     rows, out = [], {}
     for vocab, hidden, heads, batch, seq in _PROBES["cpu" if device.type == "cpu" else "gpu"]:
         with torch.device(device):
-            model = _Probe(vocab, hidden, heads)
+            model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=1, n_head=heads,
+                                  n_embd=hidden))
         ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
 
         def step(model=model, ids=ids):
             model.zero_grad(set_to_none=True)
-            model(ids, ids).backward()
+            lm_loss(model(ids), ids).backward()
 
         t = _slowest(time_per_call(step, seconds, device_sync(device), dist.group.WORLD))
         # On one device every op has one strategy: the plan's compute is their sum.
-        graph = strategies.build(trace(model, (ids, ids)), (1,))
+        graph = strategies.build(trace(model, (ids,), lm_loss, ids), (1,))
         whole, roof = (sum(cost.copy(graph=graph).compute_time(v, v.strategies[0])
                            for v in graph.nodes.values())
                        for cost in (whole_cost, roofline_cost))
         rows.append((roof / t, (whole - roof) / t))
         out[f"probe_{hidden}x{batch * seq}"] = {"measured": t, "roofline": roof,
                                                "fixed": whole - roof}
-    out["throughput_factor"], out["op_cost_factor"] = _fit_factors(rows)
+    out["throughput_factor"], out["op_cost_factor"] = fit_factors(rows)
     return out
 
 
-def _fit_factors(rows: list[tuple[float, float]]) -> tuple[float, float]:
+def fit_factors(rows: list[tuple[float, float]]) -> tuple[float, float]:
     """(a, b) >= 1 minimizing sum (a r + b f - 1)^2 over rows (r, f): the roofline and fixed
     parts of each prediction divided by its measurement."""
     r, f = np.array(rows).T

@@ -30,7 +30,7 @@ tests: autopar.calibrate measures the machine it runs on.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -110,8 +110,15 @@ class HardwareProfile:
 
     @staticmethod
     def from_dict(d: dict) -> HardwareProfile:
-        """Inverse of to_dict."""
+        """Inverse of to_dict; a missing field is an error naming it."""
         d = dict(d)
+        required = [f.name for f in fields(HardwareProfile)
+                    if f.default is MISSING and f.default_factory is MISSING]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"hardware profile {d.get('name', '?')!r} lacks "
+                             f"{', '.join(missing)}; a profile needs {', '.join(required)} "
+                             "(see autopar.hardware.BUILTIN for examples)")
         d["intra_node"] = Link.from_dict(d["intra_node"])
         d["inter_node"] = Link.from_dict(d["inter_node"])
         d["flops"] = dict(d["flops"])

@@ -31,10 +31,7 @@ class MeshSpec:
         shape = (self.shape,) if isinstance(self.shape, int) else tuple(int(s) for s in self.shape)
         if not shape or any(s < 1 for s in shape):
             raise ValueError(f"mesh shape must be positive sizes, got {self.shape}")
-        names = tuple(self.names) if self.names is not None else tuple(
-            f"d{i}" for i in range(len(shape)))
-        if len(names) != len(shape):
-            raise ValueError(f"{len(names)} names for a {len(shape)}-D mesh")
+        names = _check_names(self.names, shape)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "profile", get_profile(self.hardware))
@@ -91,6 +88,25 @@ class MeshSpec:
             hardware = "cpu" if mesh.device_type == "cpu" else "h100"
         names = mesh.mesh_dim_names or tuple(f"d{i}" for i in range(mesh.ndim))
         return MeshSpec(tuple(mesh.shape), tuple(names), hardware)
+
+
+def _check_names(names, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """One distinct string per mesh dimension (d0, d1, ... when not given)."""
+    if names is None:
+        return tuple(f"d{i}" for i in range(len(shape)))
+    names = (names,) if isinstance(names, str) else tuple(names)
+    if len(names) != len(shape):
+        raise ValueError(f"{len(names)} mesh dimension names {names} for a {len(shape)}-D mesh "
+                         f"of shape {shape}: give one name per dimension")
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError(f"mesh dimension names must be strings, got {names}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"mesh dimension name {repeated[0]!r} is used for more than one "
+                         f"dimension of the mesh {names}: each dimension needs its own name "
+                         "(e.g. ('dp', 'tp')), since force= and plans refer to dimensions "
+                         "by name")
+    return names
 
 
 @dataclass(frozen=True)

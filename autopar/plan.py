@@ -9,8 +9,9 @@ from dataclasses import asdict, dataclass, field
 from autopar.passes.placement import Placements, fmt, parse
 
 from .mesh import MeshSpec
+from .options import PlanOptions
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -153,6 +154,9 @@ class Plan:
     solver: str = ""
     unsupported_ops: list[str] = field(default_factory=list)
     pipeline: PipelinePlan | None = None
+    options: PlanOptions = field(default_factory=PlanOptions)
+    accumulation: int = 1     # microbatches a step accumulates (gradient accumulation, no pp)
+    mesh_search: list[dict] = field(default_factory=list)  # the meshes tried (autopar.search)
 
     @property
     def submesh_shape(self) -> tuple[int, ...]:
@@ -165,9 +169,11 @@ class Plan:
 
     # -- identity ------------------------------------------------------------------------------
     def hash(self) -> str:
-        """Hash of the decision (mesh, graph, every node's placements); equal plans, equal hash."""
+        """Hash of the decision (mesh, graph, every node's placements, the options that change
+        what runs); equal plans, equal hash."""
         decision = {"mesh": list(self.mesh.shape), "graph": self.graph_fingerprint,
-                    "strategies": self.strategies}
+                    "strategies": self.strategies, "options": self.options.decision(),
+                    "accumulation": self.accumulation}
         if self.pipeline is not None:
             decision["pipeline"] = self.pipeline.decision()
         payload = json.dumps(decision, sort_keys=True)
@@ -189,6 +195,9 @@ class Plan:
             "solve_time": self.solve_time,
             "solver": self.solver,
             "unsupported_ops": self.unsupported_ops,
+            "options": self.options.to_dict(),
+            "accumulation": self.accumulation,
+            "mesh_search": self.mesh_search,
         }
         if self.pipeline is not None:
             out["pipeline"] = asdict(self.pipeline)
@@ -207,7 +216,9 @@ class Plan:
             [OpEntry(**o) for o in d["ops"]], [Collective(**c) for c in d["collectives"]],
             PlanCost(**d["cost"]), strategies, d["graph_fingerprint"], d.get("solve_time", 0.0),
             d.get("solver", ""), d.get("unsupported_ops", []),
-            PipelinePlan(**d["pipeline"]) if d.get("pipeline") else None)
+            PipelinePlan(**d["pipeline"]) if d.get("pipeline") else None,
+            PlanOptions.from_dict(d.get("options", {})), d.get("accumulation", 1),
+            d.get("mesh_search", []))
 
     def save(self, path: str) -> None:
         """Write the plan as JSON."""
@@ -241,7 +252,8 @@ def render(plan: Plan) -> str:
     """The plan as one readable table, with collectives and the cost summary."""
     names = ",".join(f"{n}={s}" for n, s in zip(plan.mesh.names, plan.mesh.shape))
     lines = [f"autopar plan  mesh ({names}) on {plan.mesh.hardware}  hash {plan.hash()}",
-             f"solved by {plan.solver} in {plan.solve_time:.2f} s", ""]
+             f"solved by {plan.solver} in {plan.solve_time:.2f} s; options: "
+             f"{plan.options.summary()}", ""]
     by_node: dict[str, list[Collective]] = {}
     for c in plan.collectives:
         by_node.setdefault(c.at, []).append(c)
@@ -274,6 +286,16 @@ def render(plan: Plan) -> str:
     lines += cost_lines(plan.cost)
     if plan.unsupported_ops:
         lines.append(f"replicated (no sharding rule): {', '.join(plan.unsupported_ops)}")
+    if plan.mesh_search:
+        lines += ["", "meshes tried (fastest first):"]
+        for row in plan.mesh_search[:10]:
+            shape = "x".join(map(str, row["shape"])) + " " + ",".join(row["names"])
+            got = (f"{_ms(row['step_time'])} ms, {_mib(row['peak_memory'])} MiB"
+                   if row["step_time"] is not None else f"no plan: {row['why'][:70]}")
+            lines.append(f"  {shape:24s} {got}")
+    if plan.accumulation > 1:
+        lines.append(f"gradient accumulation: {plan.accumulation} microbatches a step, "
+                     "gradients synchronized once (the graph above is one microbatch)")
     if plan.pipeline is not None:
         lines += ["", *plan.pipeline.lines()]
     return "\n".join(lines)

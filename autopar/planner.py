@@ -10,12 +10,13 @@ import time
 from autopar.passes import strategies as strat_pass
 from autopar.passes.cluster import cluster
 from autopar.passes.pipeline_split import layer_blocks
-from autopar.passes.placement import fmt, local_shape
+from autopar.passes.placement import Placements, R, Shard, fmt, local_shape
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, Strategy, StrategyGraph
 from autopar.passes.styles import allowed_strategies
 from autopar.passes.trace import TracedProgram
 from autopar.solver import stages as pipe
 from autopar.solver.cost import CostModel
+from autopar.solver.diagnose import infeasible
 from autopar.solver.ilp import (
     NoFeasiblePlan,
     Solution,
@@ -27,6 +28,7 @@ from autopar.solver.ilp import (
 from autopar.solver.memory import memory_split
 
 from .mesh import MeshSpec
+from .options import PlanOptions
 from .plan import Collective, OpEntry, PipelinePlan, Plan, PlanCost
 
 DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
@@ -40,55 +42,199 @@ def fingerprint(graph: StrategyGraph) -> str:
 
 
 def styles_by_dim(mesh: MeshSpec, force) -> dict[int, str]:
-    """`force` as {mesh dimension index: style}; accepts dimension names, indices, or one style
-    for every dimension."""
+    """`force` as {mesh dimension index: style}; accepts one style for every dimension, or a
+    dict keyed by dimension names or indices (0 to ndim - 1). Raises ValueError for a dimension
+    the mesh lacks or one named twice."""
     if force is None:
         return {}
     if isinstance(force, str):
         return {k: force for k in range(mesh.ndim)}
-    out = {}
+    if not isinstance(force, dict):
+        raise ValueError(f"force must be a style name or a dict from mesh dimension to style, "
+                         f"not a {type(force).__name__}; the mesh has {_dims(mesh)}")
+    out: dict[int, str] = {}
+    given: dict[int, object] = {}
     for key, style in force.items():
-        if isinstance(key, str):
-            if key not in mesh.names:
-                raise ValueError(f"force names mesh dimension {key!r}; the mesh has "
-                                 f"{', '.join(mesh.names)}")
-            key = mesh.names.index(key)
-        out[int(key)] = style
+        k = _dim_index(mesh, key)
+        if k in out:
+            raise ValueError(f"force names mesh dimension {k} ({mesh.names[k]!r}) twice, as "
+                             f"{given[k]!r} and as {key!r}; give each dimension one style")
+        out[k], given[k] = style, key
     return out
 
 
-def solve_plan(program: TracedProgram, mesh: MeshSpec, *, memory_budget=None, force=None,
-               solver: str = "HIGHS", time_limit: float = 60.0, seed: int = 0,
-               fold_layers: bool = True, optimizer=None, precision=None,
-               profile=None) -> tuple[Plan, StrategyGraph]:
+def _stage_styles(mesh: MeshSpec, pp: int, force) -> dict[int, str]:
+    """`force` on a pipelined mesh, keyed as for the whole mesh, as styles of the stage mesh
+    (the mesh without "pp", whose dimensions keep their order)."""
+    styles = styles_by_dim(mesh, force)
+    if pp in styles and not isinstance(force, str):
+        others = ", ".join(repr(n) for k, n in enumerate(mesh.names) if k != pp)
+        raise ValueError(f"force gives the pipeline dimension {pp} ('pp') the style "
+                         f"{styles[pp]!r}; 'pp' carries pipeline stages, so force only the "
+                         f"other dimensions ({others})")
+    return {k - (k > pp): style for k, style in styles.items() if k != pp}
+
+
+def _dim_index(mesh: MeshSpec, key) -> int:
+    if isinstance(key, str) and key in mesh.names:
+        return mesh.names.index(key)
+    if isinstance(key, int) and not isinstance(key, bool) and 0 <= key < mesh.ndim:
+        return key
+    what = "names mesh dimension" if isinstance(key, str) else "has mesh dimension index"
+    raise ValueError(f"force {what} {key!r}, which the mesh does not have; the mesh has "
+                     f"{_dims(mesh)}: key force by one of those names or indices")
+
+
+def _dims(mesh: MeshSpec) -> str:
+    """"dimensions 0 ('dp', size 2) and 1 ('tp', size 4)"."""
+    dims = [f"{k} ({n!r}, size {s})" for k, (n, s) in enumerate(zip(mesh.names, mesh.shape))]
+    if len(dims) == 1:
+        return f"dimension {dims[0]}"
+    return f"dimensions {', '.join(dims[:-1])} and {dims[-1]}"
+
+
+def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | None = None, *,
+               storage: dict[str, Placements] | None = None,
+               fold_layers: bool = True) -> tuple[Plan, StrategyGraph]:
     """Build strategies, solve the ILP and describe the result.
 
-    `solver="random"` draws a valid plan instead (seeded by `seed`): any plan the ILP could
-    choose may come out, which is what the property tests run. `optimizer`, `precision` and
-    `profile` (an autopar.profile.OpProfiler: measured op times) configure the cost model.
+    `options.solver == "random"` draws a valid plan instead (seeded by `options.seed`): any
+    plan the ILP could choose may come out, which is what the property tests run. With
+    `storage` (parameter name -> placements), parameters stay where they are stored: a plan
+    for another input shape or mode of a model already running.
     """
-    graph = strat_pass.build(program, mesh.shape)
-    cost = CostModel(mesh, optimizer, graph=graph, precision=precision)
-    if profile is not None:
-        cost = cost.copy(measured=profile.measure(graph, cost))
-    budget = memory_budget
+    options = options or PlanOptions()
+    styles = styles_by_dim(mesh, options.force)  # a bad force fails before the work
+    graph = strat_pass.build(program, mesh.shape, input_placement(mesh, options))
+    cost = CostModel(mesh, options.optimizer, graph=graph, precision=options.precision)
+    if options.profile not in (None, False):
+        cost = cost.copy(measured=profiler(options.profile).measure(graph, cost))
+    budget = options.memory_budget
     if budget is None:
         budget = mesh.profile.memory * (1 - mesh.profile.memory_reserve)
-    if solver == "random":
-        drawn = random_choice(graph, cost, random.Random(seed))
+    kept = kept_storage(graph, program, storage)
+    if options.solver == "random":
+        drawn = random_choice(graph, cost, random.Random(options.seed), kept)
         choice = {n: graph.nodes[n].strategies[i] for n, i in drawn.items()}
-        return describe(program, graph, mesh, cost, choice, memory_budget=budget), graph
-    forced, discouraged = allowed_strategies(graph, styles_by_dim(mesh, force))
-    clusters = cluster(graph, program.graph_module, fold_layers=fold_layers)
-    sol = solve(graph, cost, memory_budget=budget, backend=solver, time_limit=time_limit,
-                forced=forced, discouraged=discouraged, clustering=clusters)
+        return describe(program, graph, mesh, cost, choice, memory_budget=budget,
+                        options=options), graph
+    forced, discouraged = allowed_strategies(graph, styles)
+    for n, ks in kept.items():
+        forced[n] = sorted(set(ks) & set(forced.get(n, ks))) or ks
+    clusters = cluster(graph, program.graph_module, fold_layers=fold_layers and not kept)
+    try:
+        sol = solve(graph, cost, memory_budget=budget, backend=options.solver,
+                    time_limit=options.time_limit, forced=forced, discouraged=discouraged,
+                    clustering=clusters)
+    except NoFeasiblePlan:
+        raise infeasible(graph, cost, budget, forced) from None
     choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
-    return describe(program, graph, mesh, cost, choice, sol, memory_budget=budget), graph
+    return describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
+                    options=options), graph
+
+
+def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
+                      options: PlanOptions | None = None, *,
+                      storage: dict[str, Placements] | None = None, accumulate: bool = True
+                      ) -> tuple[Plan, StrategyGraph, TracedProgram]:
+    """Plan a step that may accumulate gradients over microbatches (any mesh without "pp"):
+    `trace_at(m)` traces the model on 1/m of the batch (`batch`: dimension 0 of every input
+    and the target, or None when they share none). With `options.microbatches` that many;
+    otherwise the whole batch, and when no plan fits because activations dominate, 2, 3, ...
+    microbatches (divisors of the batch), the fewest that fit. Returns the plan (its
+    `accumulation`; its cost for the whole step, gradients synchronized once), the strategy
+    graph and the traced program of one microbatch. Without `accumulate` (an inference
+    program) the whole batch, always."""
+    options = options or PlanOptions()
+    if not accumulate:
+        counts = [1]
+    elif options.microbatches is not None:
+        if batch is None or batch % options.microbatches:
+            raise ValueError(
+                f"microbatches={options.microbatches} must divide the batch (dimension 0 of "
+                f"every input and the target{f', {batch}' if batch else ''}); choose a "
+                "divisor" + (f" of {batch}: " + ", ".join(map(str, pipe.divisors(batch, batch)))
+                             if batch else ""))
+        counts = [options.microbatches]
+    else:
+        counts = pipe.divisors(batch, batch) if batch else [1]
+    error = None
+    for m in counts:
+        program = trace_at(m)
+        try:
+            plan, graph = solve_plan(program, mesh, options, storage=storage)
+        except NoFeasiblePlan as e:
+            error = e
+            if options.microbatches is None and e.dominant == "activations":
+                continue
+            if m == 1:
+                raise
+            raise NoFeasiblePlan(f"with gradient accumulation over {m} microbatches (the "
+                                 f"fewest that shrink the activations enough): {e}",
+                                 e.dominant) from None
+        return accumulated(plan, m), graph, program
+    raise NoFeasiblePlan(f"{error} (tried gradient accumulation up to {counts[-1]} "
+                         "microbatches)", error.dominant) from None
+
+
+def accumulated(plan: Plan, m: int) -> Plan:
+    """`plan` (priced for one microbatch) as a step of `m` microbatches: compute and
+    collectives m times, gradient synchronization once; memory as for one microbatch."""
+    if m == 1:
+        return plan
+    cost = plan.cost
+    comm = {k: v * (1 if k == "gradient_sync" else m) for k, v in cost.communication.items()}
+    compute = cost.compute * m
+    priced = dataclasses.replace(cost, compute=compute, compute_forward=cost.compute_forward * m,
+                                 communication=comm, step_time=compute + sum(comm.values()))
+    return dataclasses.replace(plan, cost=priced, accumulation=m)
+
+
+def input_placement(mesh: MeshSpec, options: PlanOptions) -> Placements | None:
+    """Where per-rank inputs arrive: dimension 0 split over the named mesh dimensions (None:
+    global inputs)."""
+    if not options.per_rank_inputs:
+        return None
+    for name in options.per_rank_inputs:
+        if name not in mesh.names:
+            raise ValueError(f"per_rank_inputs names mesh dimension {name!r}; the mesh has "
+                             f"{', '.join(mesh.names)}")
+    if len(set(options.per_rank_inputs)) != len(options.per_rank_inputs):
+        raise ValueError(f"per_rank_inputs names a dimension twice: {options.per_rank_inputs}")
+    return tuple(Shard(0) if n in options.per_rank_inputs and s > 1 else R
+                 for n, s in zip(mesh.names, mesh.shape))
+
+
+def kept_storage(graph: StrategyGraph, program: TracedProgram,
+                 storage: dict[str, Placements] | None) -> dict[str, list[int]]:
+    """For each parameter node, the index of the strategy that keeps it stored at
+    `storage[name]`."""
+    if not storage:
+        return {}
+    out = {}
+    for n, v in graph.nodes.items():
+        if v.kind != PARAM:
+            continue
+        want = storage[program.params[n]]
+        ks = [k for k, s in enumerate(v.strategies) if s.output == tuple(want)]
+        if not ks:
+            raise ValueError(f"parameter {program.params[n]} cannot stay stored at "
+                             f"{fmt(want)} in this program")
+        out[n] = ks
+    return out
+
+
+def profiler(profile):
+    """The op profiler `profile` asks for (True: time ops on this machine)."""
+    if profile is True:
+        from .profile import OpProfiler
+        return OpProfiler()
+    return profile
 
 
 def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost: CostModel,
              choice: dict[str, Strategy], sol: Solution | None = None, *,
-             memory_budget: float | None = None) -> Plan:
+             memory_budget: float | None = None, options: PlanOptions | None = None) -> Plan:
     """The Plan for a complete assignment of strategies (from the solver or given)."""
     index = {n: graph.nodes[n].strategies.index(s) for n, s in choice.items()}
     ops, collectives = [], []
@@ -140,16 +286,12 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
                          precision=cost.precision.name, optimizer=cost.optimizer.name,
                          compute_source="measured" if cost.measured else "roofline"),
                 strategies, fingerprint(graph), sol.solve_time if sol else 0.0,
-                sol.backend if sol else "given", graph.unsupported)
+                sol.backend if sol else "given", graph.unsupported,
+                options=options or PlanOptions())
 
 
 def choice_from_plan(plan: Plan, graph: StrategyGraph) -> dict[str, Strategy]:
     """The strategies a (loaded) plan prescribes, matched to a freshly traced graph."""
-    if plan.cost.precision != "fp32":
-        raise NotImplementedError(
-            f"this plan was made for {plan.cost.precision} training, which autopar plans for but "
-            "does not execute yet (the runtime trains in float32); re-plan with "
-            "precision=\"fp32\" (the default) to run it")
     if plan.graph_fingerprint != fingerprint(graph) or plan.submesh_shape != graph.mesh_shape:
         raise ValueError(
             "this plan was made for another model, input shape or mesh (graph fingerprint "
@@ -179,22 +321,25 @@ def _local(shape, placements, mesh: MeshSpec):
 
 # -- pipelined plans (a "pp" mesh dimension) -----------------------------------------------------
 
-def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: int | None = None,
-                        schedule: str | None = None, virtual_stages: int | None = None,
-                        memory_budget=None, force=None, solver: str = "HIGHS",
-                        time_limit: float = 60.0, seed: int = 0,
-                        loss_reduction: str = "mean", optimizer=None, precision=None,
-                        profile=None) -> Plan:
+def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
+                        options: PlanOptions | None = None) -> Plan:
     """Plan a model over a mesh with a "pp" dimension: cut it into pipeline stages
     (solver/stages.py), then solve each stage's intra-op ILP on the other dimensions, identical
     stages once, each stage's inputs fixed to the placements the previous stage produces.
 
     `trace_at(m)` returns the model traced at the microbatch size `batch // m`. Without
-    `microbatches` the model is first traced at the whole batch to choose it. `optimizer`,
-    `precision` and `profile` configure the cost model as in `solve_plan`.
+    `options.microbatches` the model is first traced at the whole batch to choose it.
     """
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction must be 'mean' or 'sum', not {loss_reduction!r}")
+    options = options or PlanOptions()
+    if options.per_rank_inputs:
+        raise ValueError("per-rank inputs are not supported with a pp mesh dimension yet: pass "
+                         "the global batch on every rank")
+    microbatches, schedule = options.microbatches, options.schedule
+    virtual_stages, solver = options.virtual_stages, options.solver
+    memory_budget, time_limit = options.memory_budget, options.time_limit
+    optimizer, precision = options.optimizer, options.precision
+    profile = profiler(options.profile) if options.profile not in (None, False) else None
+    loss_reduction = options.loss_reduction
     pp = mesh.pipeline_dim
     p = mesh.shape[pp]
     if microbatches is not None and (microbatches < 1 or batch % microbatches):
@@ -206,7 +351,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: i
     budget = memory_budget if memory_budget is not None else \
         mesh.profile.memory * (1 - mesh.profile.memory_reserve)
     link = mesh.link(pp)
-    styles = styles_by_dim(sub, force)
+    styles = _stage_styles(mesh, pp, options.force)
     start = time.perf_counter()
 
     m0 = microbatches or 1
@@ -237,7 +382,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: i
     # Intra-op per stage, in order: a stage's inputs keep the placements they were produced in.
     worst = max(pipe.in_flight(sched, p, m, v, r) for r in range(p))
     scaled = pipe.activation_scaled(cost, worst)
-    rng = random.Random(seed)
+    rng = random.Random(options.seed)
     draw = (lambda g: random_choice(g, cost, rng)) if solver == "random" else None
     choice: dict[str, Strategy] = {}
     cache: dict = {}
@@ -266,51 +411,17 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: i
     for name, node in graph.nodes.items():
         choice.setdefault(name, node.strategies[0])  # unused parameters and inputs
 
-    base = describe(program, graph, sub, cost, choice, memory_budget=budget)
+    base = describe(program, graph, sub, cost, choice, memory_budget=budget, options=options)
     dims = [k for k in range(mesh.ndim) if k != pp]
     ops = [OpEntry(o.name, o.op, o.inputs, o.output, stage_of.get(o.name, 0), o.time, o.source)
            for o in base.ops]
     collectives = [Collective(c.kind, dims[c.mesh_dim] if c.mesh_dim < len(dims) else pp,
                               c.bytes, c.time, c.phase, c.at) for c in base.collectives]
-    sends = pipe.crossing(graph, {n: k for n, k in stage_of.items()
-                                  if graph.nodes[n].kind == OP})
-    stage_time, grad_sync, transfer, priced_stages = [], [], [], []
-    for s, (g, picked) in enumerate(stages):
-        pr = pipe.price(g, cost, picked)
-        t_send = pipe.transfer_time(graph, cost, sends.get(s, []), choice, link)[0]
-        for u, idx in sends.get(s, []):
-            v_ = graph.nodes[u]
-            dtype = v_.out_dtypes[idx or 0]
-            nbytes = cost.nbytes(local_shape(v_.out_shapes[idx or 0], choice[u].out(idx),
-                                             sub.shape), dtype)
-            t = link.alpha + nbytes / link.bandwidth
-            collectives.append(Collective("p2p", pp, nbytes, t, "forward", u))
-            if v_.requires_grad and dtype.is_floating_point:
-                collectives.append(Collective("p2p", pp, nbytes, t, "backward", u))
-        stage_time.append(pr.time + t_send)
-        grad_sync.append(pr.grad_sync)
-        transfer.append(t_send)
-        priced_stages.append(pr)
-    held = [pipe.in_flight(sched, p, m, v, s % p) for s in range(num_stages)]
-    rank_memory = []
-    for r in range(p):
-        mem = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0}
-        for s in range(r, num_stages, p):
-            for key, val in priced_stages[s].memory.items():
-                mem[key] += val * (held[s] if key == "activations" else 1)
-        rank_memory.append(mem)
-    total = pipe.step_time(stage_time, grad_sync, p, m, v)
-    ranks = [sum(stage_time[r::p]) for r in range(p)]
-    busy = max(range(p), key=lambda r: ranks[r])
-    mine = range(busy, num_stages, p)
-    comm = {k: 0.0 for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")}
-    for s in mine:
-        for key, val in priced_stages[s].communication.items():
-            comm[key] = comm.get(key, 0.0) + m * val
-    comm["p2p"] = m * sum(transfer[s] for s in mine)
-    comm["gradient_sync"] = sum(grad_sync[s] for s in mine)
-    compute = m * sum(priced_stages[s].compute for s in mine)
-    comm["pipeline_bubble"] = max(0.0, total - compute - sum(comm.values()))
+    priced = pipe.price_pipeline(graph, cost, stages, stage_of, choice, link, sched, p, m, v)
+    collectives += [Collective("p2p", pp, nbytes, t, phase, u)
+                    for u, nbytes, t, phase in priced.sends]
+    stage_time, held, rank_memory = priced.stage_time, priced.held, priced.rank_memory
+    total, compute, comm = priced.step, priced.compute, priced.communication
     peak = max(rank_memory, key=lambda d: sum(d.values()))
     pipeline = PipelinePlan(pp, sched, m, v, batch, blocks.names, best.cuts,
                             pipe.bubble_fraction(sched, p, m, v), stage_time, held,
@@ -319,7 +430,8 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, *, microbatches: i
                 _pipeline_cost(base.cost, total, compute, comm, peak, best.objective),
                 base.strategies,
                 base.graph_fingerprint, time.perf_counter() - start,
-                "random" if draw else solver.upper(), base.unsupported_ops, pipeline)
+                "random" if draw else solver.upper(), base.unsupported_ops, pipeline,
+                options=options)
 
 
 def _pipeline_cost(whole: PlanCost, step: float, compute: float, comm: dict, memory: dict,

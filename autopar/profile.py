@@ -27,12 +27,12 @@ import platform
 from pathlib import Path
 
 import torch
-from torch.utils import _pytree as pytree
 
 from autopar.passes.placement import local_shape
 from autopar.passes.rewrite import local_context
 from autopar.passes.rules import LOWERINGS, TensorArg
 from autopar.passes.strategies import CONSTANT, SNode, Strategy, StrategyGraph
+from autopar.passes.torch_compat import tree_leaves, tree_map
 from autopar.solver.cost import CostModel
 
 from .calibrate import device_sync, time_per_call
@@ -126,12 +126,16 @@ class OpProfiler:
                         out[key] = tuple(self.times[key])
                 else:
                     todo.setdefault(key, (v, s))
-        for key, (v, s) in todo.items():
-            got = self.time_op(v, s, cost)
-            self.times[key] = list(got) if got is not None else None
-            self.measured_now += 1
-            if got is not None:
-                out[key] = got
+        # Timing draws random inputs and runs random ops: the caller's generators are left as
+        # they were, so that what a model draws does not depend on what was timed here.
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            for key, (v, s) in todo.items():
+                got = self.time_op(v, s, cost)
+                self.times[key] = list(got) if got is not None else None
+                self.measured_now += 1
+                if got is not None:
+                    out[key] = got
         if todo:
             self.save()
         return out
@@ -170,8 +174,8 @@ class OpProfiler:
             tensors.append(_random(local_shape(shape, p, mesh_shape), cost.dtype(t.dtype),
                                    self.device, g))
         it = iter(tensors)
-        args, kwargs = pytree.tree_map(lambda a: next(it) if isinstance(a, TensorArg) else a,
-                                       (node.call.args, node.call.kwargs))
+        args, kwargs = tree_map(lambda a: next(it) if isinstance(a, TensorArg) else a,
+                                (node.call.args, node.call.kwargs))
         target = node.call.target
         lower = LOWERINGS.get(target)
         if lower is not None:
@@ -186,7 +190,7 @@ class OpProfiler:
             return run, None
 
         def grad_of(out):
-            outs = [o for o in pytree.tree_leaves(out)
+            outs = [o for o in tree_leaves(out)
                     if isinstance(o, torch.Tensor) and o.requires_grad]
             torch.autograd.grad(outs, wants, [torch.ones_like(o) for o in outs],
                                 allow_unused=True)

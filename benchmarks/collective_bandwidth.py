@@ -1,6 +1,6 @@
 """Bus bandwidth of single collectives against message size on a local gloo world.
 
-    python benchmarks/collective_bandwidth.py [--world 4] [--sizes 1,4,16,32,64,128]
+    python -m benchmarks.collective_bandwidth [--world 4] [--sizes 1,4,16,32,64,128]
 
 Each collective runs alone after a barrier (as in a training step, not back to back), on
 buffers allocated once; the time is the median of 3 calls after one warm-up. Bus bandwidth
@@ -14,31 +14,28 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from autopar.runtime import compat  # noqa: E402
-from autopar.solver.cost import ALGO_FACTOR  # noqa: E402
-from tests.world import free_port  # noqa: E402
+from autopar.passes import torch_compat
+from autopar.solver.cost import ALGO_FACTOR
+from benchmarks.common import init_gloo
+from tests.world import free_port
 
 
 def worker(rank: int, world: int, port: int, sizes: list[int], out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     rows = []
     for mib in sizes:
         numel = mib * 2**20 // 4 // world * world
         full, part = torch.ones(numel), torch.ones(numel // world)
-        calls = {"all_reduce": lambda f=full: compat.all_reduce(f),
-                 "all_gather": lambda f=full, p=part: compat.all_gather_single(f, p),
-                 "reduce_scatter": lambda f=full, p=part: compat.reduce_scatter_single(p, f)}
+        calls = {"all_reduce": lambda f=full: torch_compat.all_reduce(f),
+                 "all_gather": lambda f=full, p=part: torch_compat.all_gather_single(f, p),
+                 "reduce_scatter":
+                     lambda f=full, p=part: torch_compat.reduce_scatter_single(p, f)}
         for kind, fn in calls.items():
             times = []
             for _ in range(4):

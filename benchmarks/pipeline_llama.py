@@ -1,6 +1,6 @@
 """Pipeline plans for Llama-shaped models on simulated H100s: stage cuts, step time, bubble.
 
-    python benchmarks/pipeline_llama.py --layers 8 32 [--hidden 4096] [--precision bf16-mixed]
+    python -m benchmarks.pipeline_llama --layers 8 32 [--hidden 4096] [--precision bf16-mixed]
 
 Builds Hugging Face Llama from a Llama-3-8B-like config (hidden 4096, 32 heads, 8 KV heads,
 MLP 14336, vocabulary 128256) with the given number of layers on the meta device (no weights,
@@ -11,16 +11,12 @@ solver picks the schedule, the microbatch count and the cuts. No processes, no G
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autopar  # noqa: E402
-from tests.models import hf_llama, lm_loss  # noqa: E402
+import autopar
+from autopar.zoo import hf_llama, lm_loss
 
 
 def plan_llama(layers: int, hidden: int, mlp: int, heads: int, kv_heads: int, vocab: int,

@@ -1,6 +1,6 @@
 """Plan quality: the solver's plan against every standard setup, under the same cost model.
 
-    python benchmarks/plan_quality.py [--devices 8,64] [--models gpt,gpt2,llama]
+    python -m benchmarks.plan_quality [--devices 8,64] [--models gpt,gpt2,llama]
 
 For each model (on the meta device) and device count N (simulated H100s, 8 per node), the grid
 is every factorization N = dp x tp with the data dimension plain data parallel (DDP) or fully
@@ -14,21 +14,17 @@ strategies in a way no uniform setup does. Setups that exceed device memory are 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autopar  # noqa: E402
-from autopar.solver.ilp import NoFeasiblePlan  # noqa: E402
-from tests.models import GPT, GPTConfig, hf_gpt2, hf_llama, lm_loss  # noqa: E402
+import autopar
+from autopar.solver.ilp import NoFeasiblePlan
+from autopar.zoo import GPT, GPTConfig, hf_gpt2, hf_llama, lm_loss
 
 
 def gpt_small():
-    """The examples/ GPT at GPT-2-small size (tied head)."""
+    """autopar.zoo's GPT at GPT-2-small size (tied head)."""
     with torch.device("meta"):
         return GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12,
                              n_embd=768)), 50304, 1024

@@ -1,8 +1,8 @@
 """Planning time: Llama-3-8B-shaped models (hidden 4096, 32 heads, 8 KV heads, FFN 14336,
 vocab 128256, sequence 4096, batch 8) on the meta device, planned for simulated H100 meshes.
 
-    python benchmarks/planning_time.py                 # 2, 8, 32 layers on (8,), (2, 4), (8, 8)
-    python benchmarks/planning_time.py --layers 2 --meshes 8x8
+    python -m benchmarks.planning_time                 # 2, 8, 32 layers on (8,), (2, 4), (8, 8)
+    python -m benchmarks.planning_time --layers 2 --meshes 8x8
 
 Prints a markdown table: seconds to trace, to enumerate strategies, to cluster and build the
 ILP, to solve it, and for the whole `autopar.plan` call (which adds describing the plan), plus
@@ -23,15 +23,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import autopar
+from autopar.passes import strategies
+from autopar.passes.cluster import cluster
+from autopar.passes.trace import trace
+from autopar.solver.cost import CostModel
+from autopar.solver.ilp import solve
+from autopar.zoo import hf_llama, lm_loss
 
-import autopar  # noqa: E402
-from autopar.passes import strategies  # noqa: E402
-from autopar.passes.cluster import cluster  # noqa: E402
-from autopar.passes.trace import trace  # noqa: E402
-from autopar.solver.cost import CostModel  # noqa: E402
-from autopar.solver.ilp import solve  # noqa: E402
-from tests.models import hf_llama, lm_loss  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def llama8b(layers: int):
@@ -83,8 +83,9 @@ def main() -> None:
     rows = []
     for layers in map(int, args.layers.split(",")):
         for m in args.meshes.split(","):
-            out = subprocess.run([sys.executable, __file__, "--one", "--layers", str(layers),
-                                  "--meshes", m], capture_output=True, text=True, check=True)
+            out = subprocess.run([sys.executable, "-m", "benchmarks.planning_time", "--one",
+                                  "--layers", str(layers), "--meshes", m], cwd=REPO_ROOT,
+                                 capture_output=True, text=True, check=True)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
     cols = ["layers", "mesh", "nodes", "owners", "vars", "trace", "strategies", "build+solve",

@@ -1,8 +1,8 @@
 """Predicted vs measured step time of several plans of one model on a gloo world.
 
-    python benchmarks/predicted_vs_measured.py              # GPT on 4 ranks, 8 plans
-    python benchmarks/predicted_vs_measured.py --tiny       # seconds: checks the mechanics
-    python benchmarks/predicted_vs_measured.py --memory     # bytes per rank, measured vs model
+    python -m benchmarks.predicted_vs_measured              # GPT on 4 ranks, 8 plans
+    python -m benchmarks.predicted_vs_measured --tiny       # seconds: checks the mechanics
+    python -m benchmarks.predicted_vs_measured --memory     # bytes per rank, measured vs model
 
 1. Calibrate the world (autopar.calibrate on a 1-D and a 2-D mesh: links per mesh dimension and
    per-rank compute, every rank busy at once).
@@ -23,16 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import autopar  # noqa: E402
-from autopar.hardware import HardwareProfile  # noqa: E402
-from tests import cost_tasks  # noqa: E402
-from tests.world import World  # noqa: E402
+import autopar
+from autopar.hardware import HardwareProfile
+from tests import cost_tasks
+from tests.world import World
 
 CONFIGS = [
     ((4,), "data"),
@@ -188,11 +185,11 @@ def run(model: str = "gpt", world_size: int = 4, rounds: int = 5, steps: int = 3
 
 def reprice(plan, model, example, loss_fn, op_times: dict):
     """The cost of the same plan with measured op times in place of the roofline."""
-    from autopar.api import _trace
     from autopar.passes import strategies
+    from autopar.passes.trace import trace_example
     from autopar.planner import choice_from_plan, describe
     from autopar.solver.cost import CostModel
-    program = _trace(model, example, loss_fn)
+    program = trace_example(model, example, loss_fn)
     graph = strategies.build(program, plan.mesh.shape)
     measured = {k: tuple(v) for k, v in op_times.items() if v is not None}
     cost = CostModel(plan.mesh, graph=graph, measured=measured)

@@ -1,12 +1,13 @@
 """autopar's runtime against hand-written parallelism, on 4 local gloo ranks (CPU, fp32).
 
-    python benchmarks/runtime_vs_baselines.py [--layers 6 --hidden 512 --steps 6]
+    python -m benchmarks.runtime_vs_baselines [--layers 6 --hidden 512 --steps 6]
 
-For one GPT (benchmarks/bench_model.py, about 23M parameters by default) it times a training
-step (forward, backward, AdamW) of
+For one GPT (autopar.zoo's with an untied head, benchmarks/common.py: about 27M parameters by
+default) it times a training step (forward, backward, AdamW) of
   - torch DistributedDataParallel        vs autopar forced "data"
   - FSDP2 (fully_shard per block + root)  vs autopar forced "fsdp"
-  - DTensor tensor parallel (Colwise q/k/v/up, Rowwise o/down)  vs autopar forced "tensor"
+  - DTensor tensor parallel (Colwise qkv/fc, Rowwise proj, each rank its heads)  vs autopar
+    forced "tensor"
   - autopar's own plan                    vs the best baseline
 Each timing is the median over the measured steps (after 2 warm-up steps), taken on rank 0
 between barriers; all setups are built first and then stepped round-robin in one process
@@ -20,20 +21,19 @@ import argparse
 import copy
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_model import BenchConfig, BenchGPT, loss_fn  # noqa: E402
-
-import autopar  # noqa: E402
-from tests.world import free_port  # noqa: E402
+import autopar
+from autopar.zoo import CausalSelfAttention
+from autopar.zoo import lm_loss as loss_fn
+from benchmarks.common import bench_gpt, init_gloo
+from tests.world import free_port
 
 WORLD = 4
 
@@ -56,6 +56,28 @@ def state_bytes(params, opt) -> int:
     return total
 
 
+class _LocalHeads(CausalSelfAttention):
+    """Attention over this rank's heads, as Megatron runs it: q, k and v of its heads come out
+    of the column-parallel c_attn (see `_heads_by_rank`), the row-parallel c_proj sums."""
+
+    def forward(self, x):
+        B, T, _ = x.size()
+        q, k, v = (t.view(B, T, -1, self.n_embd // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).chunk(3, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def _heads_by_rank(attn: CausalSelfAttention, ranks: int) -> None:
+    """Reorder c_attn's output rows from (q | k | v) to (q, k, v of rank 0's heads | rank 1's
+    | ...), so that a column-parallel c_attn gives each rank the q, k and v of its own heads,
+    and run the attention on those."""
+    with torch.no_grad():
+        for p in (attn.c_attn.weight, attn.c_attn.bias):
+            p.copy_(p.view(3, ranks, -1, *p.shape[1:]).transpose(0, 1).reshape(p.shape))
+    attn.__class__ = _LocalHeads
+
+
 def setups(model, mesh, x, y, calibrated=None):
     """name -> (step function, params, optimizer), built lazily; with a `calibrated` profile
     (autopar.calibrate of `mesh`) the solver also plans with it."""
@@ -70,7 +92,7 @@ def setups(model, mesh, x, y, calibrated=None):
     def fsdp2():
         from torch.distributed.fsdp import fully_shard
         m = copy.deepcopy(model)
-        for b in m.blocks:
+        for b in m.h:
             fully_shard(b, mesh=mesh)
         fully_shard(m, mesh=mesh)
         return lambda: loss_fn(m(xl), yl).backward(), list(m.parameters())
@@ -83,11 +105,12 @@ def setups(model, mesh, x, y, calibrated=None):
         )
         m = copy.deepcopy(model)
         plan = {}
-        for i in range(len(m.blocks)):
-            for n in ("attn.q", "attn.k", "attn.v", "up"):
-                plan[f"blocks.{i}.{n}"] = ColwiseParallel()
-            for n in ("attn.o", "down"):
-                plan[f"blocks.{i}.{n}"] = RowwiseParallel()
+        for i, block in enumerate(m.h):
+            _heads_by_rank(block.attn, world)
+            for n in ("attn.c_attn", "mlp.c_fc"):
+                plan[f"h.{i}.{n}"] = ColwiseParallel()
+            for n in ("attn.c_proj", "mlp.c_proj"):
+                plan[f"h.{i}.{n}"] = RowwiseParallel()
         parallelize_module(m, mesh, plan)
         return lambda: loss_fn(m(x), y).backward(), list(m.parameters())
 
@@ -106,17 +129,15 @@ def setups(model, mesh, x, y, calibrated=None):
     return out
 
 
-def worker(rank: int, port: int, cfg: BenchConfig, batch: int, steps: int, out: dict,
+def worker(rank: int, port: int, sizes: dict, batch: int, steps: int, out: dict,
            calibrate: bool = True, only: tuple[str, ...] = ()) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_gloo(rank, WORLD, port)
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
-    model = BenchGPT(cfg)
+    model = bench_gpt(**sizes)
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
-    y = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
+    x = torch.randint(0, sizes["vocab"], (batch, sizes["seq"]), generator=g)
+    y = torch.randint(0, sizes["vocab"], (batch, sizes["seq"]), generator=g)
     calibrated = autopar.calibrate(mesh) if calibrate else None
     if calibrated is not None and rank == 0:
         c = calibrated.measured["compute"]
@@ -175,11 +196,13 @@ def main() -> None:
                          "solver'); default all")
     a = ap.parse_args()
     only = tuple(n.strip() for n in a.only.split(",") if n.strip())
-    cfg = BenchConfig(a.vocab, a.seq, a.layers, a.heads, a.hidden)
-    n_params = sum(p.numel() for p in BenchGPT(cfg).parameters())
+    sizes = {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "vocab": a.vocab,
+             "seq": a.seq}
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in bench_gpt(**sizes).parameters())
     port = free_port()
     out = mp.Manager().dict()
-    mp.spawn(worker, args=(port, cfg, a.batch, a.steps, out, not a.no_calibrate, only),
+    mp.spawn(worker, args=(port, sizes, a.batch, a.steps, out, not a.no_calibrate, only),
              nprocs=WORLD)
     res = dict(out)
     baselines = [k for k in ("DDP", "FSDP2", "DTensor TP") if k in res]

@@ -7,17 +7,14 @@ that it trains exactly like the single-device model.
 import copy
 import os
 import socket
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-
-import autopar  # noqa: E402
+import autopar
+from autopar.zoo import GPT, GPTConfig, lm_loss
 
 STEPS = 5
 MESH = (2, 2)

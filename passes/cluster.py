@@ -6,7 +6,8 @@ strategy index to its own. Two reductions produce owners other than the node its
 - Followers: a node whose non-constant inputs are all decided by one owner, and whose strategy
   is fixed by one input's placement (views, unary ops, elementwise ops on values of one
   origin, such as rotary embeddings), takes the strategy that consumes that placement
-  unchanged, so the edge never reshards.
+  unchanged, so the edge never reshards. A parameter's own uses never follow it: where it is
+  stored and how it is used are separate decisions (FSDP gathers it for every use).
 - Repeated layers: the blocks of a ModuleList (transformer layers) whose nodes match one for one
   (same ops, shapes and wiring) share the first block's choices; the ILP prices one block with
   each cost multiplied by the number of blocks. Only blocks with at least two matrix products
@@ -74,6 +75,10 @@ def _merge_followers(graph: StrategyGraph, c: Clustering) -> None:
                 if graph.nodes[u].kind != CONSTANT]
         if len({c.owner[u] for _, u, _ in free}) != 1:
             continue  # inputs decided apart: following one would force reshards on the others
+        if graph.nodes[c.owner[free[0][1]]].kind == PARAM:
+            # A parameter's storage is decided apart from its uses: FSDP stores it sharded
+            # and gathers it for the op (a cast or slice of the weight, say).
+            continue
         for slot, u, idx in free:
             mapping = _follow_map(graph, c, v, slot, u, idx)
             if mapping is None:
@@ -155,8 +160,7 @@ def _fold_layers(graph: StrategyGraph, gm: fx.GraphModule, c: Clustering) -> Non
 
 
 def _products(graph: StrategyGraph, names: list[str]) -> int:
-    return sum(graph.nodes[n].op.startswith(("linear", "addmm", "mm.", "bmm", "matmul"))
-               for n in names)
+    return sum(graph.nodes[n].facts.product is not None for n in names)
 
 
 def _same_shape(graph: StrategyGraph, a: list[str], b: list[str]) -> bool:

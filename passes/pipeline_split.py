@@ -7,27 +7,25 @@ model's repeated layers, found from the module hierarchy torch.export records on
 (embeddings) and after the last (final norm, head, loss). A model without numbered children is
 cut between the root's own submodules.
 
-`split_stages` cuts the local program a rank runs (passes.rewrite's output) into one FX
-program per pipeline stage. Every value a later stage needs is sent to the next stage and
-passed on from stage to stage until its last use (skip connections cross any number of cuts);
-values computed only from constants (positions, rotary tables, masks) are recomputed in each
-stage instead; user inputs reach every stage directly.
+`split_stages` cuts the local program a rank runs (passes.rewrite's output, made without
+prefetching, so that each stage gathers its own parameters) into one FX program per pipeline
+stage, reading what each node is from the record the rewrite left on it (`passes.emitted`).
+Every value a later stage needs is sent to the next stage and passed on from stage to stage
+until its last use (skip connections cross any number of cuts); values computed only from
+constants (positions, rotary tables, masks) are recomputed in each stage instead; user inputs
+reach every stage directly.
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from .placement import local_shape
-from .rewrite import _slice
-from .strategies import CONSTANT, OP, Strategy, StrategyGraph
+from .emitted import Emitted, emitted
+from .strategies import CONSTANT, OP, StrategyGraph
 from .trace import TracedProgram
-
-ORIGIN = "autopar_node"  # node.meta key: the traced node a rewritten node computes
 
 
 @dataclass
@@ -46,7 +44,7 @@ class LayerBlocks:
 
 def layer_blocks(program: TracedProgram, graph: StrategyGraph) -> LayerBlocks:
     """Coarsen `graph` (the strategy graph of `program`) into a chain of layer blocks."""
-    prefix = "model." if program.has_loss else ""
+    prefix = program.module_prefix
     order = [n.name for n in program.graph.nodes
              if n.op == "call_function" and n.name in graph.nodes]
     stacks = {}
@@ -136,17 +134,18 @@ class SplitError(RuntimeError):
     """The rank's program does not follow the stage order (an internal error)."""
 
 
-def split_stages(gm: fx.GraphModule, graph: StrategyGraph, choice: dict[str, Strategy],
-                 stage_of: dict[str, int], kinds: dict[str, str], num_stages: int,
-                 comm) -> list[StageProgram]:
-    """Cut `gm` (a local program from passes.rewrite for `graph` under `choice`) into
-    `num_stages` programs. `stage_of` gives the stage of every op node of `graph`; `kinds` the
-    kind of every placeholder (param | constant | input); `comm` is the collectives object the
-    program calls, so that resharding steps can be followed."""
-    graph_copy = _ungrouped(gm.graph, comm)
-    nodes = list(graph_copy.nodes)
+def split_stages(gm: fx.GraphModule, graph: StrategyGraph, stage_of: dict[str, int],
+                 kinds: dict[str, str], num_stages: int) -> list[StageProgram]:
+    """Cut `gm` (a local program from passes.rewrite for `graph`, made with prefetch=False)
+    into `num_stages` programs. `stage_of` gives the stage of every op node of `graph`;
+    `kinds` the kind of every placeholder (param | constant | input)."""
+    nodes = list(gm.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
-    origin = {n: n.meta.get(ORIGIN) for n in nodes}
+    record = {n: emitted(n) for n in nodes if n.op != "output"}
+    if any(r.role in ("gather_start", "gather_wait") for r in record.values()):
+        raise SplitError("the program gathers parameters in prefetched buckets for all stages; "
+                         "rewrite it with prefetch=False")
+    origin = {n: r.origin if r.role == "op" else None for n, r in record.items()}
     # Values any stage can compute for itself: placeholders (every stage has the user inputs,
     # its own parameter shards and the constants), what is computed from constants alone, and
     # the resharding of placeholders (a parameter's all-gather runs in each stage using it).
@@ -174,7 +173,7 @@ def split_stages(gm: fx.GraphModule, graph: StrategyGraph, choice: dict[str, Str
             for q in pending:
                 stage[q] = stage[n]
             pending = []
-        elif n.target is operator.getitem and n.args[0] in stage:
+        elif record[n].role == "getitem" and n.args[0] in stage:
             stage[n] = stage[n.args[0]]
         else:
             pending.append(n)
@@ -192,7 +191,9 @@ def split_stages(gm: fx.GraphModule, graph: StrategyGraph, choice: dict[str, Str
                     last_use[i] = max(last_use.get(i, stage[i]), s)
     live = [[v for v in nodes if v in stage and stage[v] <= k < last_use.get(v, -1)]
             for k in range(num_stages - 1)]
-    meta = _Metas(graph, choice, origin, comm)
+
+    def meta(n: fx.Node) -> ValueMeta:
+        return _value_meta(n, record[n])
 
     out = []
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -237,97 +238,15 @@ def split_stages(gm: fx.GraphModule, graph: StrategyGraph, choice: dict[str, Str
     return out
 
 
-def _ungrouped(graph: fx.Graph, comm) -> fx.Graph:
-    """A copy of `graph` in which each grouped parameter all-gather (`all_gather_many`, which
-    waits for a bucket of FSDP parameters started at the program's start) is one all-gather
-    per parameter, placed before the parameter's first use, so that each stage gathers its
-    own."""
-    out = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    result = out.graph_copy(graph, env)
-    out.output(result)
-    for n in list(out.nodes):
-        if not (n.op == "call_function" and getattr(n.target, "__self__", None) is comm
-                and getattr(n.target, "__name__", "") == "all_gather_many"):
-            continue
-        xs, dims, k = n.args[:3]
-        started = n.args[3] if len(n.args) > 3 else None
-        for item in list(n.users):
-            i = item.args[1]
-            if not item.users:
-                out.erase_node(item)
-                continue
-            first = min(item.users, key=_position(out))
-            with out.inserting_before(first):
-                single = out.call_function(comm.all_gather, (xs[i], dims[i], k))
-            item.replace_all_uses_with(single)
-            out.erase_node(item)
-        out.erase_node(n)
-        if isinstance(started, fx.Node) and not started.users:  # its prefetch, unneeded now
-            out.erase_node(started)
-    return out
-
-
-def _position(graph: fx.Graph):
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order.__getitem__
-
-
 def _flat_nodes(tree) -> list[fx.Node]:
     out: list[fx.Node] = []
     fx.map_arg(tree, out.append)
     return out
 
 
-class _Metas:
-    """Local metadata of a rewritten node, from its traced node's placement and the resharding
-    steps applied to it since."""
-
-    def __init__(self, graph, choice, origin, comm):
-        self.graph, self.choice, self.origin, self.comm = graph, choice, origin, comm
-        self.cache: dict[fx.Node, ValueMeta] = {}
-
-    def __call__(self, n: fx.Node) -> ValueMeta:
-        if n not in self.cache:
-            self.cache[n] = self._meta(n)
-        return self.cache[n]
-
-    def _meta(self, n: fx.Node) -> ValueMeta:
-        mesh_shape = self.graph.mesh_shape
-        if self.origin.get(n) is not None or (n.target is operator.getitem
-                                              and self.origin.get(n.args[0]) is not None):
-            name, idx = (self.origin[n], None) if self.origin.get(n) is not None else (
-                self.origin[n.args[0]], n.args[1])
-            v = self.graph.nodes[name]
-            if v.multi_output and idx is None:
-                raise SplitError(f"the tuple {n.name} ({v.op}) would cross a stage boundary")
-            dtype = v.out_dtypes[idx or 0]
-            shape = local_shape(v.out_shapes[idx or 0], self.choice[name].out(idx), mesh_shape)
-            return ValueMeta(tuple(shape), dtype, v.requires_grad and dtype.is_floating_point)
-        if n.op == "placeholder" and n.name in self.graph.nodes:
-            v = self.graph.nodes[n.name]
-            shape = local_shape(v.out_shapes[0], self.choice[n.name].output, mesh_shape)
-            return ValueMeta(tuple(shape), v.out_dtypes[0],
-                             v.requires_grad and v.out_dtypes[0].is_floating_point)
-        target = n.target
-        if target is _slice:
-            src = self(n.args[0])
-            shape = list(src.shape)
-            shape[n.args[1]] = n.args[3]
-            return ValueMeta(tuple(shape), src.dtype, src.requires_grad)
-        kind = getattr(target, "__name__", "")
-        if getattr(target, "__self__", None) is self.comm and kind in (
-                "all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
-            src = self(n.args[0])
-            shape = list(src.shape)
-            k = n.args[-1]
-            if kind == "all_gather":
-                shape[n.args[1]] *= mesh_shape[k]
-            elif kind == "reduce_scatter":
-                shape[n.args[1]] //= mesh_shape[k]
-            elif kind == "all_to_all":
-                shape[n.args[1]] //= mesh_shape[k]
-                shape[n.args[2]] *= mesh_shape[k]
-            return ValueMeta(tuple(shape), src.dtype, src.requires_grad)
-        raise SplitError(f"cannot tell the local shape of {n.name} ({target}), which crosses "
-                         "a stage boundary")
+def _value_meta(n: fx.Node, record: Emitted) -> ValueMeta:
+    """The local value `n` sends to the next stage, as the rewrite recorded it."""
+    if record.shape is None:
+        raise SplitError(f"{n.name} ({record.role} of {record.origin}) would cross a stage "
+                         "boundary, but it is not one tensor")
+    return ValueMeta(record.shape, record.dtype, record.requires_grad)

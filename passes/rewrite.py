@@ -2,31 +2,36 @@
 
 Every node runs its chosen strategy on local shards (through its rule's lowering when the op
 cannot run unchanged). On each edge whose producer's placement differs from what the consumer
-requires, the resharding steps of `autopar.solver.reshard` are emitted as calls to the
+requires, the resharding steps of `autopar.passes.reshard` are emitted as calls to the
 collective functions the caller supplies (`CommOps`), so this pass never imports the runtime.
 A producer resharded to the same placement for several consumers is resharded once.
 
 Two programs come out of one plan: the training program returns the loss as each rank holds it
 (its placement tells the runtime how to seed backward and report it), and the inference program
 returns the model's outputs whole.
+
+Every node emitted carries an `Emitted` record (`autopar.passes.emitted`) in its meta: its
+role, the traced node it computes or serves, its local shape and dtype, and for collectives
+their kind and mesh dimension. Later passes read those records, never the call targets.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
-from autopar.solver.reshard import BUCKET_BYTES, buckets, plan_steps
+from autopar.passes.reshard import BUCKET_BYTES, buckets, plan_steps
 
+from .emitted import META_KEY, Emitted
 from .placement import Placements, R, local_shape
 from .rules import LOWERINGS, LocalContext, TensorArg
 from .strategies import CONSTANT, PARAM, SNode, Strategy, StrategyGraph
+from .torch_compat import tree_map
 from .trace import TracedProgram
 
 
@@ -58,53 +63,77 @@ def _slice(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
 
 
 def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Strategy],
-            coords: tuple[int, ...], comm: CommOps) -> LocalPrograms:
-    """Build the local programs for the rank at mesh `coords`."""
+            coords: tuple[int, ...], comm: CommOps,
+            per_rank: tuple[Placements, int] | None = None,
+            prefetch: bool = True) -> LocalPrograms:
+    """Build the local programs for the rank at mesh `coords`. Outputs come back whole; with
+    `per_rank` (the placement per-rank inputs arrive in, and the global batch), an output
+    whose dimension 0 is the batch comes back as this rank's rows, as its inputs were. With
+    `prefetch` (the default), parameters gathered whole for their use (FSDP) are gathered in
+    buckets started before the first op; without it each is gathered just before its first
+    use (what a pipeline stage, holding some of the parameters, needs)."""
     mesh_shape = graph.mesh_shape
     g = fx.Graph()
     local: dict[tuple[str, Any], fx.Node] = {}  # (node, out index) -> local value node
     resharded: dict[tuple[str, Any, Placements], fx.Node] = {}
     placeholders = []
 
+    def emit(target, args: tuple, record: Emitted, kwargs: dict | None = None) -> fx.Node:
+        node = g.call_function(target, args, kwargs)
+        node.meta[META_KEY] = record
+        return node
+
     def value(name: str, idx) -> fx.Node:
         key = (name, idx)
         if key not in local:
             base = local[(name, None)]
-            local[key] = g.call_function(operator.getitem, (base, idx))
+            local[key] = emit(operator.getitem, (base, idx),
+                              _value_record("getitem", graph, choice, name, idx))
         return local[key]
 
-    def reshard(name: str, idx, shape, src: Placements, dst: Placements) -> fx.Node:
+    def reshard(name: str, idx, shape, src: Placements, dst: Placements,
+                consumer: str | None) -> fx.Node:
         key = (name, idx, dst)
         if key not in resharded and key in prefetched:
             # The first use of a gathered bucket: wait for its all-gather here.
             k, started, bucket = prefetched[key]
-            group = g.call_function(comm.all_gather_many,
-                                    ([local[(p, None)] for p, _, _ in bucket],
-                                     [d for _, _, d in bucket], k, started))
+            group = emit(comm.all_gather_many,
+                         ([local[(p, None)] for p, _, _ in bucket], [d for _, _, d in bucket],
+                          k, started),
+                         Emitted("gather_wait", None, collective="all_gather", mesh_dim=k,
+                                 consumer=consumer))
             for i, (p, d, _) in enumerate(bucket):
-                resharded[(p, None, d)] = g.call_function(operator.getitem, (group, i))
+                resharded[(p, None, d)] = emit(
+                    operator.getitem, (group, i),
+                    _value_record("gathered", graph, choice, p, None, placements=d,
+                                  collective="all_gather", mesh_dim=k, consumer=consumer))
         if key in resharded:
             return resharded[key]
         x = value(name, idx)
+        record = _value_record("collective", graph, choice, name, idx, consumer=consumer)
         for step in plan_steps(shape, src, dst, mesh_shape):
             k = step.mesh_dim
             if mesh_shape[k] == 1:  # one rank: every step is the identity
                 continue
             if step.kind == "all_gather":
-                x = g.call_function(comm.all_gather, (x, step.dim, k))
+                target, args = comm.all_gather, (x, step.dim, k)
             elif step.kind == "reduce_scatter":
-                x = g.call_function(comm.reduce_scatter, (x, step.dim, k))
+                target, args = comm.reduce_scatter, (x, step.dim, k)
             elif step.kind == "all_reduce":
-                x = g.call_function(comm.all_reduce, (x, k))
+                target, args = comm.all_reduce, (x, k)
             elif step.kind == "all_to_all":
-                x = g.call_function(comm.all_to_all, (x, step.dim, step.src_dim, k))
+                target, args = comm.all_to_all, (x, step.dim, step.src_dim, k)
             else:
                 length = step.out_shape[step.dim]
-                x = g.call_function(_slice, (x, step.dim, coords[k] * length, length))
+                target, args = _slice, (x, step.dim, coords[k] * length, length)
+            x = emit(target, args, replace(
+                record, role="slice" if step.kind == "slice" else "collective",
+                shape=tuple(step.out_shape), mesh_dim=k,
+                collective=None if step.kind == "slice" else step.kind))
         resharded[key] = x
         return x
 
-    fsdp = _fsdp_gathers(graph, choice, mesh_shape)
+    fsdp = _fsdp_gathers(graph, choice, mesh_shape) if prefetch else {}
     prefetched: dict[tuple[str, Any, Placements], tuple[int, fx.Node, list]] = {}
     gathered = False
     for node in program.graph.nodes:
@@ -117,9 +146,11 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
             for k, uses in fsdp.items():
                 for bucket in buckets(uses, lambda use: _use_bytes(use, graph, mesh_shape),
                                       BUCKET_BYTES):
-                    started = g.call_function(comm.all_gather_start,
-                                              ([local[(p, None)] for p, _, _ in bucket],
-                                               [d for _, _, d in bucket], k))
+                    started = emit(comm.all_gather_start,
+                                   ([local[(p, None)] for p, _, _ in bucket],
+                                    [d for _, _, d in bucket], k),
+                                   Emitted("gather_start", None, collective="all_gather",
+                                           mesh_dim=k))
                     for p, dst, _ in bucket:
                         prefetched[(p, None, dst)] = (k, started, bucket)
             gathered = True
@@ -127,6 +158,8 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
             placeholders.append(node.name)
             ph = g.placeholder(node.name)
             # Parameters arrive as their local storage shard, constants and user inputs whole.
+            ph.meta[META_KEY] = _value_record("placeholder", graph, choice, node.name, None) \
+                if node.name in graph.nodes else Emitted("placeholder", node.name)
             local[(node.name, None)] = ph
             continue
         if node.op == "output":
@@ -139,16 +172,16 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
         for slot, (src_name, idx) in enumerate(snode.inputs):
             src = choice[src_name].out(idx)
             local_inputs.append(reshard(src_name, idx, snode.in_shapes[slot], src,
-                                        strat.inputs[slot]))
+                                        strat.inputs[slot], node.name))
         call = snode.call
         args, kwargs = _substitute((call.args, call.kwargs), local_inputs)
         ctx = local_context(snode, strat, mesh_shape, coords)
         lower = LOWERINGS.get(node.target) if snode.kind != CONSTANT else None
         target, args, kwargs = lower(call, args, kwargs, ctx) if lower else (
             node.target, args, kwargs)
-        new = g.call_function(target, tuple(args), dict(kwargs))
+        new = emit(target, tuple(args), _value_record("op", graph, choice, node.name, None),
+                   dict(kwargs))
         new.meta["source"] = snode.source
-        new.meta["autopar_node"] = node.name  # which traced node (pipeline_split reads it)
         local[(node.name, None)] = new
 
     def finish(outputs: list) -> fx.GraphModule:
@@ -156,7 +189,7 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
         env: dict[fx.Node, fx.Node] = {}
         for n in g.nodes:
             env[n] = gg.node_copy(n, lambda a: env[a])
-        gg.output(pytree.tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, outputs))
+        gg.output(tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, outputs))
         gm = fx.GraphModule(torch.nn.Module(), gg)
         gm.graph.eliminate_dead_code()
         gm.recompile()
@@ -168,7 +201,10 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
         sn = graph.nodes[name]
         shape = sn.out_shapes[idx or 0]
         src = choice[name].out(idx)
-        model_outs.append(reshard(name, idx, shape, src, tuple(R for _ in mesh_shape)))
+        dst = tuple(R for _ in mesh_shape)
+        if per_rank is not None and shape and shape[0] == per_rank[1]:
+            dst = per_rank[0]
+        model_outs.append(reshard(name, idx, shape, src, dst, None))
     infer = finish(model_outs)
     train, loss_placement = None, None
     if graph.loss is not None:
@@ -182,6 +218,21 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
                 infer.graph.erase_node(n)
         infer.recompile()
     return LocalPrograms(train, infer, placeholders, loss_placement)
+
+
+def _value_record(role: str, graph: StrategyGraph, choice: dict[str, Strategy], name: str,
+                  idx: int | None, placements: Placements | None = None, **more) -> Emitted:
+    """The record of a node holding output `idx` of traced node `name` (at `placements`,
+    default its chosen output placement); the whole tuple of a multi-output node has no
+    shape."""
+    v = graph.nodes[name]
+    if v.multi_output and idx is None:
+        return Emitted(role, name, **more)
+    dtype = v.out_dtypes[idx or 0]
+    placements = choice[name].out(idx) if placements is None else placements
+    shape = tuple(local_shape(v.out_shapes[idx or 0], placements, graph.mesh_shape))
+    return Emitted(role, name, idx, shape, dtype, v.requires_grad and dtype.is_floating_point,
+                   **more)
 
 
 def local_context(node: SNode, strategy: Strategy, mesh_shape: tuple[int, ...],
@@ -224,4 +275,4 @@ def _use_bytes(use: tuple[str, Placements, int], graph: StrategyGraph,
 def _substitute(tree, values: list):
     """Replace the TensorArgs of an argument tree by `values`, in flattened order."""
     it = iter(values)
-    return pytree.tree_map(lambda a: next(it) if isinstance(a, TensorArg) else a, tree)
+    return tree_map(lambda a: next(it) if isinstance(a, TensorArg) else a, tree)

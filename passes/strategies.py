@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
-from .placement import P, Placements, R, Shard, divisible
-from .rules import RULES, OpCall, Rule1D, TensorArg, replicate_all
-from .trace import TracedProgram
+from .placement import P, Placements, R, Shard, divisible, fmt
+from .rules import RULES, OpCall, OpFacts, Rule1D, TensorArg, facts_of, replicate_all
+from .rules.registry import UNKNOWN
+from .torch_compat import tree_leaves, tree_map
+from .trace import TracedProgram, source_line
 
 INPUT, PARAM, CONSTANT, OP = "input", "param", "constant", "op"
 
@@ -65,6 +66,12 @@ class SNode:
     source: str = ""               # the model line, when FX recorded it
     param_name: str | None = None  # the model's parameter name (PARAM nodes)
 
+    @property
+    def facts(self) -> OpFacts:
+        """What pricing needs to know of the op this node runs (passes/rules; UNKNOWN for
+        placeholders and ops nobody described)."""
+        return facts_of(self.call.target) if self.call is not None else UNKNOWN
+
 
 @dataclass
 class StrategyGraph:
@@ -82,15 +89,6 @@ def _vals(node: fx.Node) -> list[Any]:
     return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
-def _source_line(node: fx.Node) -> str:
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    for i in range(len(lines) - 2, -1, -1):
-        if lines[i].startswith("File ") and "site-packages/torch" not in lines[i]:
-            return f"{lines[i]}: {lines[i + 1]}" if i + 1 < len(lines) else lines[i]
-    return ""
-
-
 def op_call(node: fx.Node) -> tuple[OpCall, list[fx.Node]]:
     """Describe a call_function node to the rules: tensor arguments become `TensorArg`s, numbered
     in flattened-argument order."""
@@ -98,14 +96,16 @@ def op_call(node: fx.Node) -> tuple[OpCall, list[fx.Node]]:
 
     def to_arg(a):
         if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
-            t = TensorArg(len(tensors), tuple(int(s) for s in a.meta["val"].shape),
-                          a.meta["val"].dtype)
+            val = a.meta["val"]
+            t = TensorArg(len(tensors), tuple(int(s) for s in val.shape), val.dtype,
+                          tuple(int(s) for s in val.stride())
+                          if val.layout == torch.strided else None)
             tensors.append(a)
             return t
         return a
 
-    args = pytree.tree_map(to_arg, node.args)
-    kwargs = pytree.tree_map(to_arg, dict(node.kwargs))
+    args = tree_map(to_arg, node.args)
+    kwargs = tree_map(to_arg, dict(node.kwargs))
     vals = _vals(node)
     multi = isinstance(node.meta.get("val"), (list, tuple))
     shapes = [tuple(int(s) for s in v.shape) for v in vals if isinstance(v, torch.Tensor)]
@@ -114,7 +114,7 @@ def op_call(node: fx.Node) -> tuple[OpCall, list[fx.Node]]:
 
 
 def _tensor_args(args, kwargs) -> list[TensorArg]:
-    leaves = pytree.tree_leaves((args, kwargs))
+    leaves = tree_leaves((args, kwargs))
     return [a for a in leaves if isinstance(a, TensorArg)]
 
 
@@ -150,8 +150,12 @@ def _all_replicated(rule: Rule1D) -> bool:
     return all(isinstance(p, type(R)) for p in (*rule.inputs, *outs))
 
 
-def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
-    """Candidate strategies for every node of `program` on a mesh of `mesh_shape`."""
+def build(program: TracedProgram, mesh_shape: tuple[int, ...],
+          input_placement: Placements | None = None) -> StrategyGraph:
+    """Candidate strategies for every node of `program` on a mesh of `mesh_shape`.
+
+    User inputs arrive whole on every rank (consumers cut their block for free), or, with
+    `input_placement`, as each rank's block of that placement (per-rank inputs)."""
     mesh_shape = tuple(mesh_shape)
     nodes: dict[str, SNode] = {}
     unsupported: list[str] = []
@@ -171,16 +175,24 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
             if node.name in program.params:
                 kind = PARAM
                 cands = _storage_placements(shape, mesh_shape)
-                grad.add(node.name)
+                # An inference program (no loss) needs no gradient: priced as such (no
+                # backward, nothing kept for it, parameters stored only).
+                if node.name not in program.frozen and program.has_loss:
+                    grad.add(node.name)
             elif node.name in program.buffers:
                 kind = CONSTANT
                 cands = [tuple(R for _ in mesh_shape)]
                 constant.add(node.name)
-            else:  # user inputs arrive whole on every rank; consumers cut their block (free)
+            else:
                 kind = INPUT
-                cands = [tuple(R for _ in mesh_shape)]
+                cands = [input_placement or tuple(R for _ in mesh_shape)]
+                if not divisible(shape, cands[0], mesh_shape):
+                    raise ValueError(
+                        f"input {node.name} of shape {shape} does not split evenly into "
+                        f"per-rank slices over mesh {mesh_shape} ({fmt(cands[0])}); use a "
+                        "batch divisible by the number of slices")
             nodes[node.name] = SNode(
-                node.name, kind, "", [], [], [shape], [val.dtype], False, kind == PARAM,
+                node.name, kind, "", [], [], [shape], [val.dtype], False, node.name in grad,
                 [Strategy((), c) for c in cands], None, "", program.params.get(node.name))
             continue
         call, tensor_nodes = op_call(node)
@@ -211,19 +223,25 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...]) -> StrategyGraph:
                 unsupported.append(str(node.target))
             # Repeated layers make the same calls: enumerate each distinct call once.
             key = repr((node.target, call.args, call.kwargs, call.out_shapes))
-            if key not in memo:
-                memo[key] = _candidates(call, mesh_shape, in_shapes)
-            strategies = memo[key]
+            if node.name in program.writes:
+                # An op that writes into a buffer or input runs whole on every rank, so that
+                # every rank's copy takes the single-device update.
+                strategies = expand_to_mesh(replicate_all(call), mesh_shape, in_shapes,
+                                            call.out_shapes, call.multi_output)
+            else:
+                if key not in memo:
+                    memo[key] = _candidates(call, mesh_shape, in_shapes)
+                strategies = memo[key]
         if req_grad:
             grad.add(node.name)
         vals = [v for v in _vals(node) if isinstance(v, torch.Tensor)]
         nodes[node.name] = SNode(
             node.name, kind, _op_name(node.target), inputs, in_shapes, call.out_shapes,
             [v.dtype for v in vals], call.multi_output, req_grad, strategies, call,
-            _source_line(node))
+            source_line(node))
     nodes = {k: v for k, v in nodes.items() if v is not None}
     flat_out = [_resolve(a) if isinstance(a, fx.Node) else None
-                for a in pytree.tree_leaves(output_node.args[0])]
+                for a in tree_leaves(output_node.args[0])]
     loss = flat_out[-1] if program.has_loss else None
     outputs = flat_out[:program.num_outputs]
     for name in sorted(set(unsupported)):
@@ -237,7 +255,7 @@ def _candidates(call: OpCall, mesh_shape: tuple[int, ...], in_shapes) -> list[St
     """The n-D strategies of one call: its rule's (or replicate-all) expanded to the mesh."""
     rule = RULES.get(call.target)
     rules1d = rule(call) if rule is not None else replicate_all(call)
-    rules1d = [r for r in rules1d if _ints_not_partial(r, call)]
+    rules1d = [r for r in rules1d if ints_not_partial(r, call)]
     strategies = expand_to_mesh(rules1d, mesh_shape, in_shapes, call.out_shapes,
                                 call.multi_output)
     if not strategies:  # nothing divides evenly: replicate
@@ -258,7 +276,7 @@ def _op_name(target) -> str:
     return name.removeprefix("aten.")
 
 
-def _ints_not_partial(rule: Rule1D, call: OpCall) -> bool:
+def ints_not_partial(rule: Rule1D, call: OpCall) -> bool:
     """A pending sum of integers or booleans is never what a rule means."""
     outs = rule.output if isinstance(rule.output, tuple) else (rule.output,)
     if any(isinstance(p, type(P)) for p in outs):

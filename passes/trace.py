@@ -8,6 +8,9 @@ of them).
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import operator
 import os
 import traceback
@@ -18,13 +21,19 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.utils import _pytree as pytree
 
-_DROPPED = {
-    torch.ops.aten._assert_tensor_metadata.default,
-    torch.ops.aten._assert_scalar.default,
-    torch.ops.aten.sym_constrain_range_for_size.default,
-}
+from .side_effects import SideEffectWatch
+from .torch_compat import (
+    ASSERTION_OPS,
+    TreeSpec,
+    fake_mode,
+    free_unbacked_symbols,
+    grad_mode_region,
+    is_higher_order,
+    spec_child,
+    tree_leaves,
+    tree_map,
+)
 
 
 class TraceError(RuntimeError):
@@ -38,74 +47,175 @@ class TracedProgram:
     `params` maps placeholder names to the model's canonical parameter names (tied weights share
     one name); `buffers` maps placeholder names to buffer or constant keys whose values are in
     `constants` (filled lazily by the runtime, since a planning-only model may live on meta).
-    `inputs` are the user-input placeholders in call order; when a loss was traced the last one
-    is the target. The graph returns the model's flattened outputs, followed by the loss.
+    `inputs` are the user-input placeholders in call order (positional inputs, the target when
+    a loss function was traced, then keyword inputs in `kwarg_names` order); `in_spec` is the
+    pytree structure of `(args, kwargs)` they were flattened from. The graph returns the model's
+    flattened outputs, followed by the loss when one was traced (`has_loss`): `loss_fn(output,
+    target)`, or the loss the model itself returns (`output_loss`). `random_ops` names the ops
+    that draw random numbers (with their model lines).
     """
 
     graph_module: fx.GraphModule
     params: dict[str, str]
     buffers: dict[str, str]
     inputs: list[str]
-    out_spec: pytree.TreeSpec
+    out_spec: TreeSpec
     num_outputs: int
     has_loss: bool
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    in_spec: TreeSpec | None = None
+    kwarg_names: tuple[str, ...] = ()
+    has_target: bool = False
+    random_ops: list[str] = field(default_factory=list)
+    module_prefix: str = ""   # what the model's module paths start with in nn_module_stack
+    writes: dict[str, str] = field(default_factory=dict)  # node -> graph input it updates
+    frozen: set[str] = field(default_factory=set)  # parameter placeholders that do not train
 
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 
 
-class _WithLoss(nn.Module):
-    """Makes one traceable forward of model + loss: returns (model outputs, loss)."""
+class _Found:
+    """Whether the model returned a loss (an object forward fills, so that the side-effect
+    check sees no attribute of the wrapper change)."""
 
-    def __init__(self, model: nn.Module, loss_fn):
+    found = False
+
+
+class _Step(nn.Module):
+    """One traceable forward of the model and its loss: `loss_fn(outputs, target)` (the target
+    is the last positional argument), or the loss the model returns (`output_loss`: True when
+    it must, "auto" when it may; `result.found` says whether it did). Returns (outputs, loss),
+    or the outputs alone without a loss.
+
+    Under mixed precision (`compute_dtype`) the model's floating-point inputs are cast to it,
+    and its floating-point outputs back to float32 (so the loss is computed in float32), as
+    FSDP2's MixedPrecisionPolicy casts forward inputs."""
+
+    def __init__(self, model: nn.Module, loss_fn=None, output_loss=False,
+                 compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.output_loss = output_loss
+        self.compute_dtype = compute_dtype
+        self.result = _Found()
 
-    def forward(self, *args):
-        *inputs, target = args
-        out = self.model(*inputs)
-        return out, self.loss_fn(out, target)
+    def forward(self, *args, **kwargs):
+        if self.loss_fn is not None:
+            *args, target = args
+        if self.compute_dtype is not None:
+            args, kwargs = tree_map(lambda t: _cast(t, self.compute_dtype), (args, kwargs))
+        out = self.model(*args, **kwargs)
+        if self.compute_dtype is not None:
+            out = tree_map(lambda t: _cast(t, torch.float32), out)
+        if self.loss_fn is not None:
+            return out, self.loss_fn(out, target)
+        loss = output_loss(out, self.output_loss is True) if self.output_loss else None
+        self.result.found = loss is not None
+        return (out, loss) if loss is not None else out
 
 
-def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=None
-          ) -> TracedProgram:
-    """Trace `model(*example_inputs)` (and `loss_fn(output, example_target)` when given).
+def _cast(t, dtype: torch.dtype):
+    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
-    Raises TraceError naming the model's source line for data-dependent control flow and for
-    inputs that are not tensors.
+
+def output_loss(out, required: bool = True):
+    """The loss a model returns: the output itself when it is a scalar tensor, else its `loss`
+    field (Hugging Face's ModelOutput.loss, or a dict's "loss"); None when there is none and
+    it is not `required`."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise TraceError(f"the model returned a loss of shape {tuple(loss.shape)}, not a "
+                             "scalar: reduce it to a scalar (mean or sum) in the model")
+        return loss
+    if not required:
+        return None
+    kind = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) \
+        else type(out).__name__
+    raise TraceError(
+        f"step() without loss_fn needs the model to return its loss (a scalar tensor, or an "
+        f"output with a `loss` field, as Hugging Face models do when given labels); it "
+        f"returned {kind}. Pass loss_fn= to parallelize, or pass the labels the model needs "
+        "to compute its loss.")
+
+
+def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=None, *,
+          kwargs: dict | None = None, output_loss: bool | str = False,
+          device: torch.device | None = None,
+          compute_dtype: torch.dtype | None = None) -> TracedProgram:
+    """Trace `model(*example_inputs, **kwargs)` and its loss: `loss_fn(output, example_target)`
+    when `loss_fn` is given, the loss the model returns when `output_loss` (True: it must
+    return one; "auto": when it does).
+
+    The model is traced as a copy without storage whose tensors are fake tensors on `device`,
+    the device the program runs on (default: the model's device, cpu for a meta model): model
+    code that branches on its tensors' device (autocast regions, kernels a device lacks) takes
+    the branch it takes there, and tensors the graph creates are created there.
+    With `compute_dtype` (mixed precision) the graph computes in that dtype: its parameters
+    are that dtype (the runtime feeds casts of the float32 master weights), floating-point
+    inputs are cast to it and outputs back to float32 inside the graph.
+
+    Raises TraceError naming the model's source line for data-dependent control flow and
+    data-dependent shapes, for inputs that are not tensors, for a loss that is not one scalar
+    and for forward changing the model's Python attributes (a change the traced graph would
+    never repeat).
     """
     example_inputs = tuple(example_inputs)
-    for i, x in enumerate(example_inputs):
+    kwargs = dict(kwargs or {})
+    for i, x in [*enumerate(example_inputs), *kwargs.items()]:
         if not isinstance(x, torch.Tensor):
+            what = f"input {i}" if isinstance(i, int) else f"keyword input {i!r}"
             raise TraceError(
-                f"input {i} is a {type(x).__name__}, not a tensor: autopar shards tensors only. "
+                f"{what} is a {type(x).__name__}, not a tensor: autopar shards tensors only. "
                 "Pass non-tensor settings to the model's constructor, or wrap the model so that "
                 "its forward takes tensors only.")
+    if device is None:
+        device = next((t.device for t in [*model.parameters(), *model.buffers()]
+                       if t.device.type != "meta"), torch.device("cpu"))
+    device = torch.device(device)
+    mode = fake_mode()
+    model = fake_copy(model, mode, device, compute_dtype)
+    example_inputs = tuple(_fake(t, mode, device) for t in example_inputs)
+    kwargs = {k: _fake(t, mode, device) for k, t in kwargs.items()}
+    example_target = _fake(example_target, mode, device)
     root: nn.Module = model
     args = example_inputs
-    if loss_fn is not None:
-        if example_target is None:
-            raise TraceError("loss_fn was given but no example target to trace it with")
-        root = _WithLoss(model, loss_fn)
-        args = (*example_inputs, example_target)
+    if loss_fn is not None and example_target is None:
+        raise TraceError("loss_fn was given but no example target to trace it with")
+    if loss_fn is not None or output_loss or compute_dtype is not None:
+        root = _Step(model, loss_fn, output_loss if loss_fn is None else False, compute_dtype)
+        if loss_fn is not None:
+            args = (*example_inputs, example_target)
     try:
-        ep = torch.export.export(root, args, strict=False)
+        with SideEffectWatch(root, prefix="" if root is not model else "model") as watch:
+            ep = torch.export.export(root, args, kwargs, strict=False)
+    except TraceError:
+        raise
     except Exception as e:  # noqa: BLE001 - rewrapped with the user's line
+        if isinstance(e.__cause__, TraceError):
+            raise e.__cause__ from None
         raise TraceError(_explain_export_failure(e)) from e
-
+    _check_no_side_effects(watch.changes())
     gm = ep.graph_module
+    _check_static_shapes(gm)
+    if loss_fn is not None:
+        _check_scalar_loss(gm, spec_child(ep.call_spec.out_spec, 1), loss_fn)
+
     _inline_grad_mode_wrappers(gm)
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _DROPPED and not node.users:
+        if node.op == "call_function" and node.target in ASSERTION_OPS and not node.users:
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     gm.recompile()
 
     canonical = {id(p): name for name, p in model.named_parameters()}
-    prefix = "model." if loss_fn is not None else ""
+    with_loss = loss_fn is not None or (isinstance(root, _Step) and root.result.found)
+    prefix = "model." if root is not model else ""
     params, buffers, inputs, constants = {}, {}, [], {}
     first_placeholder: dict[str, str] = {}  # tied weights: one placeholder per parameter
     for spec in ep.graph_signature.input_specs:
@@ -130,21 +240,244 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
     for spec in ep.graph_signature.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:
             raise TraceError(
-                f"the model updates state in place ({spec.kind.name} of {spec.target}), e.g. "
-                "BatchNorm running statistics; autopar needs a functional forward. Use eval-mode "
-                "statistics or a normalization without running state.")
-    if loss_fn is not None:
+                f"the model updates {spec.target} in place and export returned it as a "
+                f"{spec.kind.name} output, which autopar does not run; update state outside "
+                "forward")
+    if with_loss:
         _unalias_outputs(gm, num_model_outputs=len(ep.graph_signature.output_specs) - 1)
     out_spec = ep.call_spec.out_spec
     num_flat = len(ep.graph_signature.output_specs)
-    if loss_fn is not None:
+    if with_loss:
         # out_spec is (model_out, loss); keep the model's own structure for the outputs.
-        out_spec = out_spec.child(0) if hasattr(out_spec, "child") else out_spec.children_specs[0]
+        out_spec = spec_child(out_spec, 0)
         num_outputs = num_flat - 1
     else:
         num_outputs = num_flat
-    return TracedProgram(gm, params, buffers, inputs, out_spec, num_outputs,
-                         loss_fn is not None, constants)
+    in_spec = ep.call_spec.in_spec
+    kwarg_spec = spec_child(in_spec, 1)
+    return TracedProgram(gm, params, buffers, inputs, out_spec, num_outputs, with_loss,
+                         constants, in_spec, tuple(kwarg_spec.context or ()),
+                         loss_fn is not None, random_draws(gm), prefix,
+                         input_writes(gm, set(params)),
+                         {ph for ph, name in params.items()
+                          if not model.get_parameter(name).requires_grad})
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers live on the meta device (no storage
+    copied; tied parameters stay tied)."""
+    memo: dict[int, torch.Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in memo:
+            continue
+        m = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) \
+            if isinstance(t, nn.Parameter) else m
+    return copy.deepcopy(model, memo)
+
+
+def fake_copy(model: nn.Module, mode, device: torch.device,
+              param_dtype: torch.dtype | None = None) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are `mode`'s fake tensors on `device`
+    (shapes, strides and dtypes, no storage; tied parameters stay tied); floating-point
+    parameters in `param_dtype` when given (mixed precision)."""
+    memo: dict[int, torch.Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in memo:
+            continue
+        dtype = param_dtype if isinstance(t, nn.Parameter) and param_dtype is not None \
+            and t.is_floating_point() else t.dtype
+        f = _fake(t, mode, device, dtype)
+        memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) \
+            if isinstance(t, nn.Parameter) else f
+    return copy.deepcopy(model, memo)
+
+
+def _fake(t, mode, device: torch.device, dtype: torch.dtype | None = None):
+    """A fake tensor of `t`'s shape and strides on `device`, in `dtype` (default: `t`'s);
+    anything else unchanged."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device=device)
+
+
+def trace_example(model: nn.Module, example: tuple, loss_fn=None) -> TracedProgram:
+    """`trace` for `example` as `step` receives it: the model's inputs, followed by the target
+    when `loss_fn` is given."""
+    example = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    if loss_fn is None:
+        return trace(model, example)
+    if len(example) < 2:
+        raise TraceError("with loss_fn, the example is the model inputs followed by the "
+                         "target, as passed to step(*inputs, target)")
+    return trace(model, example[:-1], loss_fn, example[-1])
+
+
+def random_draws(gm: fx.GraphModule) -> list[str]:
+    """The ops of `gm` that draw random numbers when run (dropout in training, SDPA with
+    dropout_p > 0, rand/randn/bernoulli...), as "op at model line"."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not hasattr(node.target, "tags"):
+            continue
+        if torch.Tag.nondeterministic_seeded not in node.target.tags:
+            continue
+        packet = node.target.overloadpacket
+        if packet in (torch.ops.aten.dropout, torch.ops.aten.native_dropout):
+            p, train = (list(node.args[1:3]) + [True])[:2]
+            if not train or not p:
+                continue
+        if packet is torch.ops.aten.scaled_dot_product_attention:
+            p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+            if not p:
+                continue
+        out.append(f"{node.target} at {source_line(node) or node.name}")
+    return out
+
+
+
+
+def source_line(node: fx.Node) -> str:
+    """The model line that made `node` ("File ..., line N, in f: code"), or "" when FX recorded
+    none: the innermost frame of its stack trace outside torch."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 2, -1, -1):
+        if lines[i].startswith("File ") and "site-packages/torch" not in lines[i]:
+            return f"{lines[i]}: {lines[i + 1]}" if i + 1 < len(lines) else lines[i]
+    return ""
+
+
+def _mutation_message(what: str, where: str) -> str:
+    return (f"the model updates a parameter in place ({what}){where}; autopar stores "
+            "parameters sharded, so the update would land on a gathered copy. Update "
+            "parameters in the optimizer step (or in a hook after it), not in forward.")
+
+
+def input_writes(gm: fx.GraphModule, params: set[str]) -> dict[str, str]:
+    """The ops that write into a graph input (the training IR of export keeps in-place updates
+    in the graph: BatchNorm's num_batches_tracked += 1, a MoE router's token counts), as
+    {node: input}; writing into a view of an input counts as writing into the input. A
+    parameter written in place is a TraceError (its storage is sharded; the write would land
+    on a gathered copy)."""
+    out = {}
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            base = _base(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+            if base is None:
+                continue
+            if base.name in params:
+                where = source_line(node)
+                raise TraceError(_mutation_message(
+                    f"{node.target} writes parameter {base.name}",
+                    f"\n  at {where}" if where else ""))
+            out[node.name] = base.name
+    return out
+
+
+def _base(value) -> fx.Node | None:
+    """The graph input `value` is (a view of), or None."""
+    while isinstance(value, fx.Node):
+        if value.op == "placeholder":
+            return value
+        schema = getattr(value.target, "_schema", None)
+        returns = schema.returns if schema is not None else []
+        if value.op != "call_function" or not returns or returns[0].alias_info is None:
+            return None
+        value = value.args[0]
+    return None
+
+
+def _check_no_side_effects(changes: list[str]) -> None:
+    if not changes:
+        return
+    shown = changes[:5] + ([f"... and {len(changes) - 5} more"] if len(changes) > 5 else [])
+    raise TraceError(
+        "forward changed the model's Python state during tracing:\n  " + "\n  ".join(shown) +
+        "\nautopar runs the traced graph, which does not repeat Python side effects: the change "
+        "happened once, while tracing, and would never happen again in training or inference. "
+        "Move the state change out of forward (e.g. count calls or fill caches in the training "
+        "loop), or compute the value with tensor ops and return it from forward.")
+
+
+_STATIC_SHAPES_HINT = (
+    "autopar needs static shapes to split the model across devices. Give the step a fixed "
+    "size: for mixture-of-experts routing, give every expert a fixed capacity (pad or drop "
+    "tokens to it), or use dense masking (multiply by the mask instead of indexing x[mask]), or "
+    "compute every expert on all tokens and weight the outputs by the router's scores.")
+
+
+def _check_static_shapes(gm: fx.GraphModule) -> None:
+    """Raise TraceError at the first value whose shape depends on tensor values (torch.nonzero,
+    boolean-mask indexing, sizes from .tolist() or .item()): export leaves such sizes unbacked."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        shapes = [tuple(v.shape) for v in vals if isinstance(v, torch.Tensor)]
+        symbols = free_unbacked_symbols(shapes)
+        if not symbols:
+            continue
+        where = source_line(node) or "unknown line"
+        shown = [str(s) for s in shapes if free_unbacked_symbols(s)]
+        what = "a tensor of shape" if len(shown) == 1 else "tensors of shapes"
+        msg = (f"data-dependent shape: node {node.name} ({node.target}) makes {what} "
+               f"{', '.join(shown)}, sizes that depend on tensor values.\n  at {where}\n")
+        origin = _unbacked_origin(gm, symbols)
+        if origin is not None and origin is not node and source_line(origin) != where:
+            msg += (f"  the size comes from node {origin.name} ({origin.target})\n  at "
+                    f"{source_line(origin) or 'unknown line'}\n")
+        raise TraceError(msg + _STATIC_SHAPES_HINT)
+
+
+def _unbacked_origin(gm: fx.GraphModule, symbols) -> fx.Node | None:
+    """The node that introduced one of `symbols` (export records them in unbacked_bindings)."""
+    for node in gm.graph.nodes:
+        if set(node.meta.get("unbacked_bindings") or ()) & set(symbols):
+            return node
+    return None
+
+
+def _check_scalar_loss(gm: fx.GraphModule, loss_spec: TreeSpec, loss_fn) -> None:
+    """The loss must be one tensor of one element: each rank must hold the whole loss."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    last = tree_leaves(out.args[0])[-1]
+    val = last.meta.get("val") if isinstance(last, fx.Node) else last
+    name = _callable_name(loss_fn)
+    if not loss_spec.is_leaf():
+        n = loss_spec.num_leaves
+        raise TraceError(
+            f"loss_fn {name} returned a {loss_spec.type.__name__} of {n} value"
+            f"{'s' if n != 1 else ''}; it must return one scalar tensor, the loss to minimise. "
+            "Compute other values (metrics) from the model's outputs outside loss_fn, and add "
+            "auxiliary loss terms into the one loss.")
+    if not isinstance(val, torch.Tensor):
+        raise TraceError(
+            f"loss_fn {name} returned a {type(val).__name__}, not a tensor; it must return the "
+            "loss as a scalar tensor (do not call .item() or float() on it inside loss_fn).")
+    if val.numel() != 1:
+        raise TraceError(
+            f"loss_fn {name} returned a tensor of shape {tuple(val.shape)}, not a scalar: every "
+            "rank would return only its own piece of it. Reduce the loss to a scalar in loss_fn "
+            "with mean or sum (e.g. F.cross_entropy's default reduction='mean', or "
+            "loss.mean()).")
+
+
+def _callable_name(fn) -> str:
+    """`fn`'s name and where it is defined, for messages: "lm_loss (gpt.py:120)"."""
+    fn = fn.func if isinstance(fn, functools.partial) else fn
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+    name = getattr(target, "__qualname__", type(fn).__name__)
+    try:
+        where = f"{inspect.getsourcefile(target)}:{inspect.getsourcelines(target)[1]}"
+    except (TypeError, OSError):
+        return name
+    return f"{name} ({where})"
 
 
 def _unalias_outputs(gm: fx.GraphModule, num_model_outputs: int) -> None:
@@ -179,20 +512,37 @@ def _merge_placeholder(gm: fx.GraphModule, dup: str, keep: str) -> None:
     gm.recompile()
 
 
-def _inline_grad_mode_wrappers(gm: fx.GraphModule) -> None:
-    """Inline `wrap_with_set_grad_enabled` and friends (used e.g. by HF rotary embeddings).
+def _detached(gm: fx.GraphModule, value: fx.Node) -> fx.Node:
+    """`value` detached (a tensor computed under no_grad carries no gradient)."""
+    if not isinstance(value.meta.get("val"), torch.Tensor):
+        return value
+    out = gm.graph.call_function(torch.ops.aten.detach.default, (value,))
+    out.meta = {k: v for k, v in value.meta.items() if k != "unbacked_bindings"}
+    return out
 
-    Values inside such regions carry no gradient in the models we trace (positions, buffers),
-    so running their ops inline keeps the semantics.
+
+def _inline_grad_mode_wrappers(gm: fx.GraphModule) -> None:
+    """Inline `wrap_with_set_grad_enabled` and disabled `wrap_with_autocast` regions (a
+    `torch.no_grad()` block, HF rotary embeddings). The outputs of a region run without grad
+    are detached, so no gradient flows back through it, as on one device. An enabled autocast
+    region is a TraceError: inlined, its ops would run without its casts.
     """
-    hop_names = {"wrap_with_set_grad_enabled", "wrap_with_autocast"}
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or getattr(node.target, "__name__", "") not in hop_names:
+        region = grad_mode_region(node)
+        if region is None:
             continue
-        if node.target.__name__ == "wrap_with_set_grad_enabled":
-            sub_attr, sub_args = node.args[1], node.args[2:]
-        else:  # wrap_with_autocast(device, dtype, enabled, cache, submod, *args)
-            sub_attr, sub_args = node.args[4], node.args[5:]
+        sub_attr, sub_args = region.submodule, region.args
+        no_grad = not region.grad_enabled
+        if region.autocast is not None:
+            inside = getattr(gm, sub_attr.target).graph.nodes
+            where = source_line(node) or next(
+                (source_line(n) for n in inside if source_line(n)), "")
+            raise TraceError(
+                f"forward runs a region under torch.autocast (device {region.autocast[0]}, "
+                f"dtype {region.autocast[1]}){f' at {where}' if where else ''}: autopar runs "
+                "every op at the dtype of its inputs and would drop the region's casts. Cast "
+                "explicitly in forward instead (x.to(torch.bfloat16)), or use precision="
+                "\"bf16-mixed\".")
         sub = getattr(gm, sub_attr.target)
         env: dict[fx.Node, Any] = {}
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
@@ -204,8 +554,11 @@ def _inline_grad_mode_wrappers(gm: fx.GraphModule) -> None:
                 if sn.op == "placeholder":
                     continue
                 if sn.op == "output":
-                    result = pytree.tree_map(
+                    result = tree_map(
                         lambda a, env=env: env[a] if isinstance(a, fx.Node) else a, sn.args[0])
+                    if no_grad:
+                        result = tree_map(
+                            lambda a: _detached(gm, a) if isinstance(a, fx.Node) else a, result)
                     break
                 new = gm.graph.node_copy(sn, env.__getitem__)
                 env[sn] = new
@@ -219,7 +572,7 @@ def _inline_grad_mode_wrappers(gm: fx.GraphModule) -> None:
         gm.graph.erase_node(sub_attr)
         delattr(gm, sub_attr.target)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "namespace", "") == "higher_order":
+        if node.op == "call_function" and is_higher_order(node.target):
             raise TraceError(
                 f"unsupported higher-order op {node.target.__name__} at node {node.name}: "
                 "autopar needs one flat graph (no torch.cond, checkpoint or while_loop)")
@@ -235,11 +588,24 @@ def _explain_export_failure(e: Exception) -> str:
     where = f"{user[-1].filename}:{user[-1].lineno}: {user[-1].line}" if user else "unknown line"
     kind = type(e).__name__
     text = str(e).strip().splitlines()[0] if str(e).strip() else kind
-    data_dependent = any(s in f"{kind} {e}" for s in (
-        "data-dependent", "DataDependent", "GuardOnDataDependent", "Could not guard",
-        "Could not extract specialized integer", "symbolic", "item()"))
-    hint = ("The model branches on tensor values (data-dependent control flow), which a static "
-            "graph cannot express. Replace the Python `if`/loop on a tensor value with tensor ops "
-            "(torch.where, masking) or move it out of forward." if data_dependent
-            else "autopar could not capture the model with torch.export (non-strict).")
+    hint = "autopar could not capture the model with torch.export (non-strict)."
+    if _is_data_dependent_size(kind, str(e)):
+        hint = ("data-dependent shape: the model uses tensor values as sizes (e.g. .tolist() or "
+                ".item() split sizes, loop counts or slice bounds, torch.nonzero, boolean-mask "
+                "indexing). " + _STATIC_SHAPES_HINT)
+    elif any(s in f"{kind} {e}" for s in (
+            "data-dependent", "DataDependent", "GuardOnDataDependent", "Could not guard",
+            "symbolic", "item()")):
+        hint = ("The model branches on tensor values (data-dependent control flow), which a "
+                "static graph cannot express. Replace the Python `if`/loop on a tensor value with "
+                "tensor ops (torch.where, masking) or move it out of forward.")
     return f"{hint}\n  at {where}\n  torch.export said: {kind}: {text}"
+
+
+def _is_data_dependent_size(kind: str, text: str) -> bool:
+    """Export's words for a tensor value used as a Python int (a size, a count, split sizes)
+    rather than as a condition; a symbol export marks size-like is a size."""
+    if "extract specialized integer" in text or "DynamicOutputShape" in kind:
+        return True
+    marker = "Size-like symbols:"
+    return marker in text and f"{marker} none" not in text

@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import compat
+from autopar.passes import torch_compat
 
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     n = dist.get_world_size(group)
     x = x.contiguous()
     buf = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    compat.all_gather_single(buf, x, group=group)
+    torch_compat.all_gather_single(buf, x, group=group)
     if dim == 0:
         return buf
     full = torch.empty(_gathered(x.shape, dim, n), dtype=x.dtype, device=x.device)
@@ -40,13 +40,13 @@ def _scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     else:
         src = _blocks(x, shape, dim, n).reshape(n * shape[0], *shape[1:])
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    compat.reduce_scatter_single(out, src, group=group)
+    torch_compat.reduce_scatter_single(out, src, group=group)
     return out
 
 
 def _reduce(x: torch.Tensor, group) -> torch.Tensor:
     out = x.contiguous().clone()
-    compat.all_reduce(out, group=group)
+    torch_compat.all_reduce(out, group=group)
     return out
 
 
@@ -54,7 +54,7 @@ def _swap(x: torch.Tensor, split_dim: int, cat_dim: int, group) -> torch.Tensor:
     n = dist.get_world_size(group)
     src = torch.stack(x.chunk(n, dim=split_dim)).contiguous()
     out = torch.empty_like(src)
-    compat.all_to_all_single(out, src, group=group)
+    torch_compat.all_to_all_single(out, src, group=group)
     shape = list(src.shape[1:])
     shape[cat_dim] *= n
     return out.movedim(0, cat_dim).reshape(shape)
@@ -117,6 +117,7 @@ class _AllGatherMany(torch.autograd.Function):
     def forward(ctx, dims, group, started, *xs):
         n = dist.get_world_size(group)
         ctx.dims, ctx.group, ctx.shapes = dims, group, [x.shape for x in xs]
+        ctx.set_materialize_grads(False)  # see backward
         if started is None:
             started = _Gathering(xs, group)
         rows = started.wait()
@@ -127,23 +128,35 @@ class _AllGatherMany(torch.autograd.Function):
                 rows[:, offset:offset + x.numel()].view(n, *x.shape))
             out.append(full)
             offset += x.numel()
+        # A frozen parameter's gathered copy carries no gradient, though its bucket's others do.
+        ctx.mark_non_differentiable(*[o for x, o in zip(xs, out) if not x.requires_grad])
         return tuple(out)
 
     @staticmethod
     def backward(ctx, *grads):
+        # A parameter that got no gradient (used only under no_grad) gets none, as on one
+        # device, so that optimizers skip it; every rank runs the same program, so the same
+        # ones on every rank, and their slots are reduced as zeros.
         n = dist.get_world_size(ctx.group)
-        # (autograd materializes missing gradients as zeros: every g is a tensor)
+        some = next(g for g in grads if g is not None)
         sizes = [torch.Size(s).numel() for s in ctx.shapes]
-        src = torch.empty(n, sum(sizes), dtype=grads[0].dtype, device=grads[0].device)
+        # Gradients of bfloat16 (mixed precision) gathers are reduced in float32, FSDP2's
+        # reduce_dtype: one rounding of the sum, not one per rank's addend.
+        dtype = some.dtype
+        reduce = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+        src = torch.empty(n, sum(sizes), dtype=reduce, device=some.device)
         offset = 0
         for g, shape, d, size in zip(grads, ctx.shapes, ctx.dims, sizes):
-            src[:, offset:offset + size].view(n, *shape).copy_(_blocks(g, shape, d, n))
+            if g is None:
+                src[:, offset:offset + size].zero_()
+            else:
+                src[:, offset:offset + size].view(n, *shape).copy_(_blocks(g, shape, d, n))
             offset += size
         out = torch.empty(src.shape[1], dtype=src.dtype, device=src.device)
-        compat.reduce_scatter_single(out, src.view(-1), group=ctx.group)
+        torch_compat.reduce_scatter_single(out, src.view(-1), group=ctx.group)
         grads_in, offset = [], 0
-        for shape, size in zip(ctx.shapes, sizes):
-            grads_in.append(out[offset:offset + size].view(shape))
+        for g, shape, size in zip(grads, ctx.shapes, sizes):
+            grads_in.append(None if g is None else out[offset:offset + size].view(shape).to(dtype))
             offset += size
         return (None, None, None, *grads_in)
 
@@ -158,7 +171,7 @@ class _Gathering:
             self.flat = torch.cat([x.detach().reshape(-1) for x in xs])
         self.buf = torch.empty(n * self.flat.numel(), dtype=self.flat.dtype,
                                device=self.flat.device)
-        self.work = compat.all_gather_single(self.buf, self.flat, group=group, async_op=True)
+        self.work = torch_compat.all_gather_single(self.buf, self.flat, group=group, async_op=True)
         self.n = n
 
     def wait(self) -> torch.Tensor:

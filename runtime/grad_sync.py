@@ -11,7 +11,8 @@ its all-reduce asynchronously once they are all there. Every rank runs the same 
 buckets become ready, and are launched, in the same order everywhere. `finish()` launches what
 never became ready (parameters without a gradient count as zeros), waits, writes the sums
 back, and then reduces gradients replicated on several mesh dimensions, one dimension after
-another.
+another. A parameter that got no gradient keeps none, as on one device (every rank runs the
+same program, so it got none on any rank), and optimizers skip it.
 
 The loss, summed for reporting, rides in the last overlapped bucket of its first mesh
 dimension (one collective fewer per step, as a collective's latency is what a step of a small
@@ -23,9 +24,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.solver.reshard import BUCKET_BYTES, buckets
+from autopar.passes import torch_compat
+from autopar.passes.reshard import BUCKET_BYTES, buckets
 
-from . import compat
+from .flat import flatten, unflatten, write_grads
 
 
 class _Bucket:
@@ -36,6 +38,7 @@ class _Bucket:
         self.work = None
         self.flat: torch.Tensor | None = None
         self.carry: PendingSum | None = None
+        self.missing: set[int] = set()  # ids of the parameters without a gradient at launch
 
 
 def param_buckets(params: list[torch.nn.Parameter],
@@ -48,9 +51,9 @@ def param_buckets(params: list[torch.nn.Parameter],
             for b in buckets(ps, lambda p: p.numel() * p.element_size(), bucket_bytes)]
 
 
-def _flat_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-    """Each parameter's gradient flattened (zeros for a parameter without one)."""
-    return [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient (zeros for a parameter without one)."""
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
 
 def sum_grads(params: list[torch.nn.Parameter], group) -> None:
@@ -58,11 +61,12 @@ def sum_grads(params: list[torch.nn.Parameter], group) -> None:
     buckets, all in flight together."""
     pending = []
     for ps in param_buckets(params):
-        flat = torch.cat(_flat_grads(ps))
-        pending.append((compat.all_reduce(flat, group=group, async_op=True), flat, ps))
-    for work, flat, ps in pending:
+        flat = flatten(_grads(ps))
+        pending.append((torch_compat.all_reduce(flat, group=group, async_op=True), flat, ps,
+                        _missing(ps)))
+    for work, flat, ps, missing in pending:
         work.wait()
-        _write_back(ps, flat)
+        _write_back(ps, flat, missing)
 
 
 class GradSync:
@@ -84,18 +88,37 @@ class GradSync:
             self.later += [_Bucket(k, ps) for ps in param_buckets(multi, bucket_bytes)]
         self._launched: list[_Bucket] = []
         self._stash: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._holding = False
         self._hooks = []
         for b in self.overlapped:
             for p in b.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda p, b=b: self._on_grad(b)))
 
-    def begin(self, report: PendingSum | None = None) -> None:
-        """Call before each backward pass. Gradients already accumulated (steps without
-        zero_grad) are set aside and added back after this pass's gradients are reduced, so
-        that gradient accumulation sums each step's reduced gradient once. A `report` (a sum
-        not yet started) is carried by the last bucket of its first mesh dimension and dtype,
-        or started at once if there is none."""
+    def begin(self, report: PendingSum | None = None, hold: bool = False) -> None:
+        """Call before each backward pass (before the first microbatch's, when a step
+        accumulates several). Gradients already accumulated (steps without zero_grad) are set
+        aside and added back after this pass's gradients are reduced, so that gradient
+        accumulation over steps sums each step's reduced gradient once. A `report` (a sum not
+        yet started) is carried by the last bucket of its first mesh dimension and dtype, or
+        started at once if there is none. With `hold`, nothing is launched until `release`
+        (the microbatches before the last accumulate locally)."""
+        self._stash = {}
+        for b in self.overlapped + self.later:
+            for p in b.params:
+                if p.grad is not None:
+                    self._stash[p] = p.grad
+                    p.grad = None
+        self._holding = hold
+        self._arm(report)
+
+    def release(self, report: PendingSum | None = None) -> None:
+        """Before the last microbatch's backward: launch each bucket once its gradients,
+        accumulated over the microbatches, are complete (overlapped with that backward)."""
+        self._holding = False
+        self._arm(report)
+
+    def _arm(self, report: PendingSum | None) -> None:
         for b in self.overlapped:
             b.ready, b.work, b.flat, b.carry = 0, None, None, None
         self._launched = []
@@ -107,28 +130,25 @@ class GradSync:
             self._report = report if self._left else None
             if not self._left:
                 report.start()
-        self._stash = {}
-        for b in self.overlapped + self.later:
-            for p in b.params:
-                if p.grad is not None:
-                    self._stash[p] = p.grad
-                    p.grad = None
 
     def _on_grad(self, b: _Bucket) -> None:
+        if self._holding:
+            return
         b.ready += 1
         if b.ready == len(b.params) and b.work is None:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        grads = _flat_grads(b.params)
+        b.missing = _missing(b.params)
+        grads = _grads(b.params)
         r = self._report
         if r is not None and b.mesh_dim == r.dims[0] and b.params[0].dtype == r.value.dtype:
             self._left -= 1
             if not self._left:  # the last such bucket of this step: the loss rides along
-                grads.append(r.value.reshape(-1))
+                grads.append(r.value)
                 b.carry = r
-        b.flat = torch.cat(grads)
-        b.work = compat.all_reduce(b.flat, group=self.groups[b.mesh_dim], async_op=True)
+        b.flat = flatten(grads)
+        b.work = torch_compat.all_reduce(b.flat, group=self.groups[b.mesh_dim], async_op=True)
         self._launched.append(b)
 
     def finish(self) -> None:
@@ -138,7 +158,7 @@ class GradSync:
                 self._launch(b)
         for b in self._launched:
             b.work.wait()
-            _write_back(b.params, b.flat)
+            _write_back(b.params, b.flat, b.missing)
             if b.carry is not None:
                 b.carry.landed(b.flat[b.flat.numel() - b.carry.value.numel():])
         for k in sorted({b.mesh_dim for b in self.later}):
@@ -147,25 +167,23 @@ class GradSync:
                 self._launch(b)
             for b in batch:
                 b.work.wait()
-                _write_back(b.params, b.flat)
+                _write_back(b.params, b.flat, b.missing)
                 b.work = None
         for p, g in self._stash.items():
             p.grad = g if p.grad is None else p.grad.add_(g)
         self._stash = {}
 
 
-def _write_back(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+def _missing(params: list[torch.nn.Parameter]) -> set[int]:
+    """The ids of the parameters without a gradient."""
+    return {id(p) for p in params if p.grad is None}
+
+
+def _write_back(params: list[torch.nn.Parameter], flat: torch.Tensor, missing: set[int]) -> None:
     """Set each parameter's gradient to its slice of the reduced `flat` (a view: every step
-    reduces into a new buffer)."""
-    offset = 0
-    for p in params:
-        n = p.numel()
-        g = flat[offset:offset + n].view_as(p)
-        if p.grad is None:
-            p.grad = g
-        else:
-            p.grad.copy_(g)
-        offset += n
+    reduces into a new buffer); those `missing` a gradient (by id) keep none."""
+    write_grads([None if id(p) in missing else p for p in params],
+                unflatten(flat, [p.shape for p in params]))
 
 
 class PendingSum:

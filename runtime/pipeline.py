@@ -28,16 +28,17 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
-from torch.distributed.tensor import Partial, Replicate
-from torch.utils import _pytree as pytree
+from torch.distributed.tensor import Replicate
 
+from autopar.passes import torch_compat
 from autopar.passes.pipeline_split import StageProgram, ValueMeta
 from autopar.passes.placement import local_shape
 
-from . import compat
 from .collectives import MeshComm
+from .flat import flatten, unflatten, write_grads
 from .grad_sync import sum_grads
-from .module import gather_whole, local_shard
+from .loss import loss_seeding
+from .params import ParameterStore
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved": ScheduleInterleaved1F1B}
@@ -70,8 +71,10 @@ class _StageModule(nn.Module):
     where `inputs` holds every user input of the microbatch by placeholder name."""
 
     def __init__(self, program: StageProgram, params: dict[str, nn.Parameter],
-                 constants: dict[str, torch.Tensor], scalar_output: bool, sink=None):
+                 constants: dict[str, torch.Tensor], scalar_output: bool, sink=None,
+                 compute_dtype: torch.dtype | None = None):
         super().__init__()
+        self._dtype = compute_dtype  # mixed precision: weights cast to it for the program
         self.program = program.module
         self.weights = nn.ParameterList([params[n] for n in program.params])
         self._constants = [constants[n] for n in program.constants]
@@ -83,24 +86,44 @@ class _StageModule(nn.Module):
     def forward(self, *received, **inputs):
         if self._first:  # the first stage's positional arguments are the model inputs
             received = ()
-        out = self.program(*received, *[inputs[n] for n in self._inputs], *self.weights,
+        weights = [w.to(self._dtype) if self._dtype is not None and w.is_floating_point()
+                   else w for w in self.weights]
+        out = self.program(*received, *[inputs[n] for n in self._inputs], *weights,
                            *self._constants)
         if self._sink is not None:  # pipelined inference: keep the outputs of the microbatch
             self._sink.append([t.detach() for t in out])
         return out[0] if self._scalar else tuple(out)
 
 
-class PipelineModule(nn.Module):
+def stage_parameters(programs: list[StageProgram], param_names: dict[str, str], p: int,
+                     coord: int) -> tuple[list[str], dict[str, int], list[str]]:
+    """Which parameters the stages of pp rank `coord` use (of `p` pp ranks), the pp rank that
+    owns each parameter (its first stage's), and those used on several pp ranks (tied
+    embeddings: their gradients are summed over pp)."""
+    holders: dict[str, set[int]] = {}
+    for prog in programs:
+        for ph in prog.params:
+            holders.setdefault(param_names[ph], set()).add(prog.index)
+    mine = sorted(n for n, stages in holders.items() if any(s % p == coord for s in stages))
+    owner = {n: min(stages) % p for n, stages in holders.items()}
+    shared = sorted(n for n, stages in holders.items() if len({s % p for s in stages}) > 1)
+    return mine, owner, shared
+
+
+class PipelineModule:
     """The pipelined model on one rank: `step(*inputs, target)` trains, `__call__` infers."""
 
     def __init__(self, plan, train: list[StageProgram], infer: list[StageProgram],
-                 param_names: dict[str, str], full_params: dict[str, torch.Tensor],
+                 param_names: dict[str, str], store: ParameterStore,
                  constants: dict[str, torch.Tensor], comm: SubmeshComm, pp_group,
-                 pp_coord: int, sub_coords: tuple[int, ...], input_names: list[str],
-                 root_inputs: list[ValueMeta], out_spec, num_inputs: int, loss_placement,
-                 device: torch.device):
-        super().__init__()
+                 pp_coord: int, input_names: list[str], root_inputs: list[ValueMeta], out_spec,
+                 num_inputs: int, loss_placement, device: torch.device,
+                 full_meta: dict[str, tuple], compute_dtype: torch.dtype | None = None):
+        """`store` holds this rank's shards of the parameters its stages use (see
+        `stage_parameters`); `full_meta` the whole shape and dtype of every parameter;
+        `compute_dtype` the dtype the stage programs compute in (mixed precision)."""
         pipe = plan.pipeline
+        self._compute_dtype = compute_dtype
         self.plan = plan
         self._pipe = pipe
         self._comm = comm
@@ -112,32 +135,16 @@ class PipelineModule(nn.Module):
         self._num_inputs = num_inputs
         self._out_spec = out_spec
         self._device = device
+        self._store = store
         num_stages = pipe.num_stages
         self._local = [s for s in range(num_stages) if s % self._p == pp_coord]
         self._last_rank = (num_stages - 1) % self._p
-
-        # Parameters: this rank's shards of those its stages use (one copy when two local
-        # stages share one), sliced from the full model like ParallelModule does.
-        holders: dict[str, set[int]] = {}
-        for prog in train + infer:
-            for ph in prog.params:
-                holders.setdefault(param_names[ph], set()).add(prog.index)
-        self._full_meta = {n: (tuple(t.shape), t.dtype) for n, t in full_params.items()}
-        self._owner = {n: min(stages) % self._p for n, stages in holders.items()}
-        self._shards = nn.ParameterList()
-        self._by_name: dict[str, nn.Parameter] = {}
-        mine = sorted(n for n, stages in holders.items()
-                      if any(s % self._p == pp_coord for s in stages))
-        for name in mine:
-            p = local_shard(full_params[name], plan.parameters[name], self._sub_shape,
-                            sub_coords)
-            self._shards.append(p)
-            self._by_name[name] = p
+        self._full_meta = full_meta
+        _, self._owner, self._shared = stage_parameters(train + infer, param_names, self._p,
+                                                        pp_coord)
+        self._by_name = store.leaves
         by_placeholder = {ph: self._by_name[n] for ph, n in param_names.items()
                           if n in self._by_name}
-        # Parameters whose copies live on several pp ranks: their gradients are summed there.
-        self._shared = sorted(n for n, stages in holders.items()
-                              if len({s % self._p for s in stages}) > 1)
         # Gradients of parameters stored replicated are summed once per step, after the last
         # microbatch (summing after each would add partial sums).
         self._replicated = [
@@ -145,13 +152,9 @@ class PipelineModule(nn.Module):
                  and isinstance(plan.parameters[n][k], Replicate)])
             for k in range(len(self._sub_shape)) if self._sub_shape[k] > 1]
 
-        seed = 1.0 / math.prod(self._sub_shape[k] for k, pl in enumerate(loss_placement)
-                               if isinstance(pl, Replicate))
-        self._seed = seed
+        self._loss = loss_seeding(loss_placement, self._sub_shape)
         m = pipe.microbatches
-        scale = seed / m if pipe.loss_reduction == "mean" else seed
-        self._loss_partial = [k for k, pl in enumerate(loss_placement)
-                              if isinstance(pl, Partial) and self._sub_shape[k] > 1]
+        scale = self._loss.seed / m if pipe.loss_reduction == "mean" else self._loss.seed
 
         def loss_fn(output, target):
             return output * scale
@@ -171,12 +174,14 @@ class PipelineModule(nn.Module):
         else:
             self._infer = ScheduleGPipe(infer_stages[0], m)
         self._outputs = infer[-1].sent
+        self._loss_dtype = train[-1].sent[0].dtype
 
     def _stage(self, program: StageProgram, params, constants, root, train: bool,
                num_stages: int) -> PipelineStage:
         last = program.index == num_stages - 1
         sink = self._sink if last and not train else None
-        module = _StageModule(program, params, constants, last and train, sink)
+        module = _StageModule(program, params, constants, last and train, sink,
+                              self._compute_dtype)
         inputs = root if program.index == 0 else tuple(m.empty() for m in program.received)
         outputs = tuple(m.empty() for m in program.sent)
         if last and train:
@@ -184,81 +189,90 @@ class PipelineModule(nn.Module):
         return PipelineStage(module, program.index, num_stages, self._device,
                              input_args=inputs, output_args=outputs, group=self._group)
 
-    # -- parameters ----------------------------------------------------------------------------
-    def named_local_parameters(self) -> dict[str, nn.Parameter]:
-        """This rank's shard of every parameter its stages use, by the model's names."""
-        return dict(self._by_name)
-
     # -- running -------------------------------------------------------------------------------
-    def _check(self, inputs: tuple) -> None:
+    def check(self, inputs: tuple) -> str | None:
+        """Why `inputs` (model inputs, without the target) cannot run under this plan, or
+        None."""
         if len(inputs) != self._num_inputs:
-            raise TypeError(f"expected {self._num_inputs} model input(s) as traced, got "
-                            f"{len(inputs)}")
+            return f"expected {self._num_inputs} model input(s) as traced, got {len(inputs)}"
         batch = self._pipe.batch_size
         for t in inputs:
             if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != batch):
-                raise ValueError(
-                    f"this pipelined plan runs batches of {batch} as {self._pipe.microbatches} "
-                    f"microbatches along dimension 0; got an input of shape {tuple(t.shape)}. "
-                    "Re-plan for the new batch.")
+                return (f"this pipelined plan runs batches of {batch} as "
+                        f"{self._pipe.microbatches} microbatches along dimension 0; got an "
+                        f"input of shape {tuple(t.shape)}. Re-plan for the new batch.")
+        return None
 
     def step(self, *inputs) -> torch.Tensor:
         """Forward and backward of the global batch through the pipeline schedule; returns the
         loss (the same on every rank). Gradients of the local shards are complete on return."""
         *inputs, target = inputs
-        self._check(tuple(inputs))
         feeds = dict(zip(self._input_names, [*inputs, target]))
         first = tuple(inputs) if 0 in self._local else ()
         losses: list = []
+        self._store.pull_grads()
         self._train.step(*first, target=self._dummy_target, losses=losses,
                          return_outputs=False, **feeds)
         for k, params in self._replicated:
             sum_grads(params, self._comm.groups[k])
         self._sync_shared()
-        loss = torch.zeros((), device=self._device)
+        self._store.push_grads()
+        loss = torch.zeros((), dtype=self._loss_dtype, device=self._device)
         if self._coord == self._last_rank:
-            loss = torch.stack([x.detach() for x in losses]).sum() / self._seed
-            for k in self._loss_partial:
+            loss = torch.stack([x.detach() for x in losses]).sum() / self._loss.seed
+            for k in self._loss.pending_dims:
                 dist.all_reduce(loss, group=self._comm.groups[k])
         dist.broadcast(loss, src=dist.get_global_rank(self._group, self._last_rank),
                        group=self._group)
         return loss
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole model: the norm of every gradient of
+        every stage (each parameter counted once: by its owning pp rank, and once per set of
+        replicas), summed over all ranks; every rank scales its gradients alike. Returns the
+        total norm before clipping, the same on every rank."""
+        norm_type = float(norm_type)
+        inf = norm_type == float("inf")
+        acc = torch.zeros((), dtype=torch.float64, device=self._device)
+        for name, leaf in self._by_name.items():
+            if leaf.grad is None or self._owner[name] != self._coord:
+                continue
+            g = leaf.grad.detach().double()
+            if inf:
+                acc = torch.maximum(acc, g.abs().max())
+                continue
+            copies = math.prod(self._sub_shape[k] for k, p in
+                               enumerate(self.plan.parameters[name]) if isinstance(p, Replicate))
+            acc = acc + g.abs().pow(norm_type).sum() / copies
+        dist.all_reduce(acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        total = acc if inf else acc.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for leaf in self._by_name.values():
+            if leaf.grad is not None:
+                leaf.grad.mul_(coef.to(leaf.grad.dtype))
+        return total.float()
+
     def _sync_shared(self) -> None:
+        """Sum the gradients of parameters used on several pp ranks over pp (zeros where a
+        rank holds no gradient of one)."""
         if not self._shared:
             return
-        flats = []
-        for name in self._shared:
-            p = self._by_name.get(name)
-            if p is not None and p.grad is not None:
-                flats.append(p.grad.reshape(-1))
-            else:
-                flats.append(torch.zeros(self._local_numel(name), device=self._device,
-                                         dtype=self._full_meta[name][1]))
-        flat = torch.cat(flats)
-        compat.all_reduce(flat, group=self._group)
-        offset = 0
-        for name in self._shared:
-            n = self._local_numel(name)
-            p = self._by_name.get(name)
-            if p is not None:
-                g = flat[offset:offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
-            offset += n
+        params = [self._by_name.get(name) for name in self._shared]
+        shapes = [self._local_shape(name) for name in self._shared]
+        flat = flatten([p.grad if p is not None and p.grad is not None else
+                        torch.zeros(shape, device=self._device, dtype=self._full_meta[name][1])
+                        for name, p, shape in zip(self._shared, params, shapes)])
+        torch_compat.all_reduce(flat, group=self._group)
+        write_grads(params, unflatten(flat, shapes))
 
-    def _local_numel(self, name: str) -> int:
-        shape = local_shape(self._full_meta[name][0], self.plan.parameters[name],
-                            self._sub_shape)
-        return math.prod(shape)
+    def _local_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(local_shape(self._full_meta[name][0], self.plan.parameters[name],
+                                 self._sub_shape))
 
-    def forward(self, *inputs):
+    def infer(self, *inputs):
         """Inference on the global batch through the pipeline (no autograd): returns what the
         original model returns, whole, on every rank (outputs are the microbatches' outputs
         concatenated along dimension 0)."""
-        self._check(inputs)
         feeds = dict(zip(self._input_names, inputs))
         first = tuple(inputs) if 0 in self._local else ()
         self._sink.clear()
@@ -277,7 +291,7 @@ class PipelineModule(nn.Module):
                            group=self._group)
             outs.append(t)
         self._sink.clear()
-        return pytree.tree_unflatten(outs, self._out_spec)
+        return torch_compat.tree_unflatten(outs, self._out_spec)
 
     # -- whole tensors, for checking and checkpoints -------------------------------------------
     def _whole(self, name: str, t: torch.Tensor | None) -> torch.Tensor:
@@ -287,7 +301,7 @@ class PipelineModule(nn.Module):
         if self._coord == self._owner[name]:
             x = t if t is not None else torch.zeros(
                 local_shape(shape, storage, self._sub_shape), dtype=dtype, device=self._device)
-            x = gather_whole(x, shape, storage, self._sub_shape, self._comm).contiguous()
+            x = self._store.whole(name, x).contiguous()
         else:
             x = torch.empty(shape, dtype=dtype, device=self._device)
         dist.broadcast(x, src=dist.get_global_rank(self._group, self._owner[name]),

@@ -7,7 +7,10 @@ Everything is seconds or bytes, per device, for one training step (forward + bac
   matmul) computes one product per operand that needs a gradient in backward (2x its forward
   flops for a hidden layer, 1x for the first layer, whose input needs none); attention
   (QK^T and PV, 4 B H L S E flops, half of it under a causal mask) costs 2x its forward in
-  backward; other ops cost their forward again. A profile of measured op times
+  backward; other ops cost their forward again. A random op (dropout, rand_like, SDPA with
+  dropout) also draws its whole tensor on every rank, whatever the sharding (each rank keeps
+  its block of the single-device draw): DRAW_FLOPS per element in forward. A profile of
+  measured op times
   (autopar.profile, keyed by `op_key`: op, local shapes, dtypes, arguments) replaces the
   roofline for every op it holds.
 - communication: alpha-beta per mesh dimension: alpha + factor * bytes / bandwidth with the ring
@@ -25,21 +28,22 @@ Everything is seconds or bytes, per device, for one training step (forward + bac
 from __future__ import annotations
 
 import copy
-import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-from torch.utils import _pytree as pytree
 
 from autopar.passes.placement import Placements, Replicate, fmt, local_shape
+from autopar.passes.reshard import BUCKET_BYTES, ReshardError, Step, plan_steps
 from autopar.passes.rules import LOWERINGS, TensorArg
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, SNode, Strategy, StrategyGraph
+from autopar.passes.torch_compat import tree_map
 
 from . import memory as mem
-from .reshard import BUCKET_BYTES, ReshardError, Step, plan_steps
+from .flops import backward_factor, drawn_elements, facts, is_view, op_flops
+from .specs import OptimizerSpec, Precision, numel, optimizer_spec, precision_spec
 
 ALGO_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -47,88 +51,12 @@ ALGO_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
 }
-_PRODUCTS = ("linear", "addmm", "mm.", "bmm", "matmul")
-_MATMUL = (*_PRODUCTS, "scaled_dot_product_attention")
-_VIEWS = ("view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "slice",
-          "select", "split", "alias", "t.default", "unflatten", "flatten", "detach",
-          "_unsafe_view", "broadcast_tensors", "unbind", "chunk", "narrow", "as_strided")
 DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
         "all_reduce": "all_reduce", "all_to_all": "all_to_all"}
 INFEASIBLE = float("inf")
-# Ops built on exp / erf / rsqrt (and norms, softmax and losses, which add reductions): about
-# 20 flops per element on vector units (a polynomial per transcendental), against one for
-# arithmetic. Memory-bound on GPUs either way; on CPUs it is what they cost.
-_TRANSCENDENTAL = ("layer_norm", "rms_norm", "_softmax", "softmax", "_log_softmax",
-                   "log_softmax", "cross_entropy", "gelu", "silu", "tanh", "sigmoid", "exp.",
-                   "erf", "rsqrt", "log.", "softplus", "mish", "sin.", "cos.")
-TRANSCENDENTAL_FLOPS = 20.0
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """What an optimizer keeps per parameter: `states` tensors of the parameter's shape (in the
-    master dtype: float32 under mixed precision, the parameter's dtype otherwise) and
-    `scalar_bytes` per parameter tensor (AdamW's `step`, a float32 scalar tensor)."""
-
-    name: str = "adamw"
-    states: int = 2
-    scalar_bytes: int = 4
-
-
-OPTIMIZERS = {
-    "adamw": OptimizerSpec("adamw", 2, 4),
-    "adam": OptimizerSpec("adam", 2, 4),
-    "sgd-momentum": OptimizerSpec("sgd-momentum", 1, 0),
-    "sgd": OptimizerSpec("sgd", 0, 0),
-}
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Dtypes of training: `compute` for floating-point parameters, activations, gradients and
-    collectives; `master` for the optimizer's copy of the weights and its state (None: the
-    parameters themselves, no copy)."""
-
-    name: str = "fp32"
-    compute: torch.dtype = torch.float32
-    master: torch.dtype | None = None
-
-
-PRECISIONS = {
-    "fp32": Precision("fp32", torch.float32, None),
-    "bf16-mixed": Precision("bf16-mixed", torch.bfloat16, torch.float32),
-}
-
-
-def optimizer_spec(optimizer: str | OptimizerSpec | None) -> OptimizerSpec:
-    """An optimizer by name ("adamw", "adam", "sgd-momentum", "sgd"), or the given spec."""
-    return _named(optimizer, OptimizerSpec, OPTIMIZERS, "adamw", "optimizer",
-                  " or pass an OptimizerSpec")
-
-
-def precision_spec(precision: str | Precision | None) -> Precision:
-    """A precision by name ("fp32", "bf16-mixed"), or the given spec."""
-    return _named(precision, Precision, PRECISIONS, "fp32", "precision")
-
-
-def _named(value, spec_type: type, table: dict, default: str, what: str, hint: str = ""):
-    if value is None:
-        return table[default]
-    if isinstance(value, spec_type):
-        return value
-    try:
-        return table[value.lower()]
-    except KeyError:
-        raise ValueError(f"unknown {what} {value!r}; choose from "
-                         f"{', '.join(table)}{hint}") from None
-
-
-def numel(shape) -> int:
-    return math.prod(shape) if shape else 1
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
+# A random number costs about what a transcendental does (a Philox or Mersenne-Twister step and
+# a conversion), and is written to memory.
+DRAW_FLOPS = 20.0
 
 
 class CostModel:
@@ -177,7 +105,7 @@ class CostModel:
 
     def nbytes(self, shape, dtype: torch.dtype) -> int:
         """Bytes of a tensor of `shape` and traced `dtype` under the plan's precision."""
-        return numel(shape) * itemsize(self.dtype(dtype))
+        return numel(shape) * self.dtype(dtype).itemsize
 
     # -- communication -------------------------------------------------------------------------
     def collective_time(self, kind: str, mesh_dim: int, nbytes: float,
@@ -320,14 +248,25 @@ class CostModel:
         dtype = self.dtype(node.out_dtypes[0] if node.out_dtypes else torch.float32)
         roof = max(flops / self.hw.peak_flops(dtype), nbytes / self.hw.memory_bandwidth)
         launch = self.hw.view_launch if view else self.hw.launch
-        fwd = roof + launch
+        fwd = roof + launch + self.draw_time(node)
         if not grad:
             return fwd, 0.0
-        if any(node.op.startswith(m) for m in _PRODUCTS):
+        product = facts(node).product
+        if product is not None:
             # One product per operand that needs a gradient (the bias gradient is a sum).
-            g = sum(self.grad_inputs(node)[i] for i in _product_operands(node))
+            g = sum(self.grad_inputs(node)[i] for i in product)
             return fwd, g * roof + max(g, 1) * launch
         return fwd, backward_factor(node) * roof + launch
+
+    def draw_time(self, node: SNode) -> float:
+        """Seconds a random op spends drawing: the whole tensor on every rank, whatever the
+        sharding (passes/rules/random.py); 0 for other ops."""
+        n = drawn_elements(node)
+        if not n:
+            return 0.0
+        dtype = self.dtype(node.out_dtypes[0])
+        return max(n * DRAW_FLOPS / self.hw.peak_flops(dtype),
+                   n * dtype.itemsize / self.hw.memory_bandwidth)
 
     def training_flops(self, node: SNode, strategy: Strategy) -> tuple[float, float]:
         """(forward, backward) floating-point operations of `node` under `strategy`."""
@@ -337,8 +276,9 @@ class CostModel:
         f = op_flops(node, in_local, out_local)
         if not node.requires_grad or node.kind == CONSTANT:
             return f, 0.0
-        if any(node.op.startswith(m) for m in _PRODUCTS):
-            return f, f * sum(self.grad_inputs(node)[i] for i in _product_operands(node))
+        product = facts(node).product
+        if product is not None:
+            return f, f * sum(self.grad_inputs(node)[i] for i in product)
         return f, f * backward_factor(node)
 
     # -- parameters ----------------------------------------------------------------------------
@@ -356,6 +296,8 @@ class CostModel:
         A bucket's latency is shared by its gradients by size: a parameter pays
         bytes / bucket_bytes of it, or (a model smaller than one bucket: one all-reduce for
         all) its share of all parameters, when the cost model knows the graph."""
+        if not node.requires_grad:  # frozen: no gradient to synchronize
+            return []
         nbytes = self.nbytes(local_shape(node.out_shapes[0], storage, self.shape),
                              node.out_dtypes[0])
         share = self._bucket_share(self.graph, node, nbytes)
@@ -441,63 +383,17 @@ def _graph_facts(graph: StrategyGraph) -> _GraphFacts:
             consumers[ref] += 1
     params = {n: numel(v.out_shapes[0]) for n, v in graph.nodes.items() if v.kind == PARAM}
     total = sum(params.values()) or 1
-    facts = _GraphFacts(consumers, {n: k / total for n, k in params.items()})
+    found = _GraphFacts(consumers, {n: k / total for n, k in params.items()})
     if len(_FACTS) > 64:
         _FACTS.clear()
-    _FACTS[id(graph)] = (graph, facts)
-    return facts
+    _FACTS[id(graph)] = (graph, found)
+    return found
 
 
 def _args_text(tree, tensor_type) -> str:
-    leaves = pytree.tree_map(lambda a: "T" if isinstance(a, tensor_type) else a, tree)
+    leaves = tree_map(lambda a: "T" if isinstance(a, tensor_type) else a, tree)
     return repr(leaves)
 
 
-def _product_operands(node: SNode) -> tuple[int, ...]:
-    """Input slots of the two matrices of a product (the bias of addmm is slot 0)."""
-    return (1, 2) if node.op.startswith("addmm") else (0, 1)
-
-
-def is_view(node: SNode) -> bool:
-    return any(node.op.startswith(v) for v in _VIEWS)
-
-
-def backward_factor(node: SNode) -> float:
-    """Backward flops per forward flop, without knowing which inputs need gradients: 2 for
-    products and attention, 1 otherwise."""
-    return 2.0 if any(node.op.startswith(m) for m in _MATMUL) else 1.0
-
-
-def attention_flops(q: tuple, k: tuple, v: tuple | None = None, causal: bool = False) -> float:
-    """Forward flops of attention on (..., L, E) queries and (..., S, E) keys / (..., S, Ev)
-    values: QK^T (2 L S E per batch and head) and PV (2 L S Ev); a causal mask halves both
-    (the kernels skip the masked blocks)."""
-    heads = numel(q[:-2])
-    L, E = q[-2], q[-1]
-    S = k[-2]
-    Ev = v[-1] if v is not None else E
-    return 2.0 * heads * L * S * (E + Ev) * (0.5 if causal else 1.0)
-
-
-def op_flops(node: SNode, in_local: list[tuple], out_local: list[tuple]) -> float:
-    """Floating-point operations of the forward op on local shapes."""
-    op = node.op
-    if op.startswith("linear") or op.startswith("matmul") or op.startswith("bmm") or \
-            op.startswith("mm."):
-        k = in_local[0][-1] if in_local[0] else 1
-        return 2.0 * numel(out_local[0]) * k
-    if op.startswith("addmm"):
-        return 2.0 * numel(out_local[0]) * in_local[1][-1]
-    if op.startswith("scaled_dot_product_attention"):
-        causal = node.call is not None and bool(node.call.arg(5, "is_causal", False))
-        return attention_flops(in_local[0], in_local[1], in_local[2], causal)
-    if is_view(node):
-        return 0.0
-    if op.startswith(_TRANSCENDENTAL):
-        return TRANSCENDENTAL_FLOPS * numel(in_local[0])
-    return float(sum(numel(s) for s in out_local))
-
-
-__all__ = ["ALGO_FACTOR", "DUAL", "INFEASIBLE", "OPTIMIZERS", "PRECISIONS", "CostModel",
-           "OptimizerSpec", "Precision", "attention_flops", "backward_factor", "is_view",
-           "itemsize", "numel", "op_flops", "optimizer_spec", "precision_spec"]
+__all__ = ["ALGO_FACTOR", "DRAW_FLOPS", "DUAL", "INFEASIBLE", "CostModel", "OptimizerSpec",
+           "Precision", "backward_factor", "drawn_elements", "is_view", "op_flops"]

@@ -39,7 +39,6 @@ from autopar.passes.placement import Partial, R
 from autopar.passes.strategies import SNode, StrategyGraph
 
 from .cost import INFEASIBLE, CostModel
-from .memory import explain_infeasible
 
 SCALE = 1e6  # seconds -> microseconds inside the solver
 PENALTY = 1.0  # seconds added to a discouraged strategy (forced styles)
@@ -47,7 +46,13 @@ BACKENDS = ("HIGHS", "SCIP", "CBC", "CP_SAT")
 
 
 class NoFeasiblePlan(RuntimeError):
-    """No assignment of strategies satisfies the memory budget."""
+    """No assignment of strategies satisfies the memory budget. `dominant` names what
+    dominates the smallest peak any plan reaches ("activations", "parameters", ...), when
+    solver/diagnose.py found out."""
+
+    def __init__(self, message: str, dominant: str | None = None):
+        super().__init__(message)
+        self.dominant = dominant
 
 
 @dataclass
@@ -139,14 +144,18 @@ def greedy(graph: StrategyGraph, cost: CostModel,
     return choice
 
 
-def random_choice(graph: StrategyGraph, cost: CostModel, rng: random.Random) -> dict[str, int]:
+def random_choice(graph: StrategyGraph, cost: CostModel, rng: random.Random,
+                  forced: dict[str, list[int]] | None = None) -> dict[str, int]:
     """A uniformly drawn valid assignment: in topological order, each node draws among the
     strategies whose inputs can be reached from its producers' drawn placements (nothing is
-    ever resharded into a pending sum). Any plan the ILP could return is a possible draw."""
+    ever resharded into a pending sum), among `forced` where given. Any plan the ILP could
+    return is a possible draw."""
     choice: dict[str, int] = {}
     for v in graph.nodes.values():
         ok = []
         for k, s in enumerate(v.strategies):
+            if forced and v.name in forced and k not in forced[v.name]:
+                continue
             if all(cost.edge_time(graph, v, i, graph.nodes[u].strategies[choice[u]].out(idx),
                                   s.inputs[i]) != INFEASIBLE
                    for i, (u, idx) in enumerate(v.inputs)):
@@ -159,10 +168,17 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
           backend: str = "HIGHS", time_limit: float = 60.0, gap: float = 1e-4,
           forced: dict[str, list[int]] | None = None,
           discouraged: dict[str, list[int]] | None = None,
-          clustering: Clustering | None = None) -> Solution:
+          clustering: Clustering | None = None, minimize: str = "time") -> Solution:
     """Solve the intra-op ILP. `forced` restricts nodes to the listed strategy indices;
     `discouraged` strategies carry a penalty of PENALTY seconds each (reported objectives
-    exclude it); `clustering` (passes.cluster) says which nodes share decisions."""
+    exclude it); `clustering` (passes.cluster) says which nodes share decisions.
+    `minimize="memory"` minimises bytes per device instead of seconds (the objective is then
+    in bytes; no budget applies): the smallest peak any plan reaches. Raises NoFeasiblePlan
+    when no plan fits the budget (solver/diagnose.py says why)."""
+    if minimize not in ("time", "memory"):
+        raise ValueError(f"minimize must be 'time' or 'memory', not {minimize!r}")
+    by_memory = minimize == "memory"
+    scale = 1.0 / 2**30 if by_memory else SCALE  # GiB or microseconds inside the solver
     backend = backend.upper()
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend}; choose from {BACKENDS}")
@@ -177,12 +193,13 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     objective = solver.Objective()
     for o, costs in problem.node_cost.items():
         row = []
-        for t in costs:
+        for t, m in zip(costs, problem.memory[o]):
             var = solver.BoolVar("")
+            price = m if by_memory else t
             if t == INFEASIBLE:
                 var.SetUb(0)
-            elif t:
-                objective.SetCoefficient(var, t * SCALE)
+            elif price:
+                objective.SetCoefficient(var, price * scale)
             row.append(var)
         solver.Add(sum(row) == 1)
         x[o] = row
@@ -193,8 +210,9 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             if cst == INFEASIBLE:
                 continue
             var = solver.NumVar(0, 1, "")
-            if cst:
-                objective.SetCoefficient(var, cst * SCALE)
+            coefficient = problem.edge_memory[i].get((a, b), 0.0) if by_memory else cst
+            if coefficient:
+                objective.SetCoefficient(var, coefficient * scale)
             y[(a, b)] = var
             y_terms.append((i, (a, b), var))
         rows: dict = defaultdict(list)
@@ -206,7 +224,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             solver.Add(sum(rows[a]) == sum(x[ou][k] for k in ks))
         for b, js in _classes(b_of).items():
             solver.Add(sum(cols[b]) == sum(x[ov][j] for j in js))
-    if memory_budget is not None:
+    if memory_budget is not None and not by_memory:
         solver.Add(sum(x[o][k] * m for o, ms in problem.memory.items()
                        for k, m in enumerate(ms) if m)
                    + sum(var * problem.edge_memory[i][ab] for i, ab, var in y_terms
@@ -228,14 +246,15 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
                         "greedy (time limit)", solver.NumVariables(), solver.NumConstraints())
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         if status == pywraplp.Solver.INFEASIBLE:
-            raise NoFeasiblePlan(explain_infeasible(graph, cost, memory_budget, forced)
-                                 if memory_budget is not None else "no plan exists")
+            raise NoFeasiblePlan(f"no plan fits the memory budget of {memory_budget:.0f} bytes "
+                                 "per device" if memory_budget is not None else
+                                 "no plan exists")
         raise RuntimeError(f"the {backend} solver stopped without a plan (status {status})")
     owner_choice = {o: max(range(len(row)), key=lambda k, row=row: row[k].solution_value())
                     for o, row in x.items()}
     choice = c.expand(owner_choice)
-    value = objective.Value() / SCALE
-    if discouraged:
+    value = objective.Value() / scale
+    if discouraged and not by_memory:
         value -= PENALTY * sum(1 for n, ks in discouraged.items() if choice[n] in ks)
     return Solution(choice, value, elapsed, backend,
                     "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",

@@ -25,9 +25,9 @@ of the storages autograd really saves (tests/test_memory.py).
 
 Every term is a function of one node's strategy or of one edge's pair of placements, so memory
 is linear in the ILP's variables: sum_v sum_s m[v,s] x[v,s] + sum_e sum_{a,b} m[e,a,b] y[e,a,b].
-`min_memory` solves the ILP with that objective instead of time, for the smallest peak any plan
-reaches (what NoFeasiblePlan reports); `zero_memory` prices the standard ZeRO setups in closed
-form.
+The ILP can minimise that instead of time (solver/ilp.py), for the smallest peak any plan
+reaches (solver/diagnose.py reports it when no plan fits); `zero_memory` prices the standard
+ZeRO setups in closed form.
 """
 
 from __future__ import annotations
@@ -35,60 +35,71 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from autopar.passes.placement import local_shape
+from autopar.passes.rules.registry import (
+    SAVES_DIVISOR,
+    SAVES_FIRST,
+    SAVES_INDICES,
+    SAVES_INPUTS,
+    SAVES_OPERANDS,
+    SAVES_OUTPUT,
+)
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, SNode, Strategy, StrategyGraph
 
-if TYPE_CHECKING:
-    from .cost import CostModel
+from .flops import facts, is_view
+from .specs import optimizer_spec, precision_spec
 
 GiB = 2**30
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 
-_PRODUCTS = ("linear", "mm.", "bmm", "matmul", "mul.Tensor")
-_SAVE_INPUT = ("gelu", "silu", "pow.Tensor_Scalar", "sin", "cos", "log.", "log1p", "abs",
-               "leaky_relu", "softplus", "hardswish", "mish", "erf", "atan", "reciprocal")
-_SAVE_OUTPUT = ("relu", "tanh", "sigmoid", "exp.", "rsqrt", "sqrt", "_softmax", "softmax",
-                "_log_softmax", "log_softmax", "elu.", "scaled_dot_product_attention")
-_SAVE_NOTHING = ("add", "sub", "neg", "cat", "stack", "to.", "_to_copy", "clone", "contiguous",
-                 "mean", "sum", "zeros_like", "ones_like", "full_like", "embedding", "dropout",
-                 "masked_fill.Scalar", "fill", "copy", "where", "pad", "constant_pad_nd",
-                 "repeat", "roll", "tril", "triu")
+
+class Prices(Protocol):
+    """What the memory model needs of the cost model (solver/cost.py's CostModel)."""
+
+    shape: tuple[int, ...]
+    info: dict
+    precision: Any
+    optimizer: Any
+
+    def dtype(self, dtype: torch.dtype) -> torch.dtype: ...
+    def nbytes(self, shape, dtype: torch.dtype) -> int: ...
+    def local_shapes(self, node: SNode, strategy: Strategy) -> tuple[list, list]: ...
+    def reshard_steps(self, shape, src, dst) -> list: ...
+    def param_memory_split(self, node: SNode, storage) -> dict[str, float]: ...
+    def activation_memory(self, node: SNode, strategy: Strategy) -> float: ...
+    def edge_memory(self, graph: StrategyGraph, consumer: SNode, slot: int, src, dst
+                    ) -> float: ...
 
 
 def saved_slots(node: SNode, grads: tuple[bool, ...]) -> tuple[int, ...]:
     """Input slots whose tensors autograd keeps for `node`'s backward, given which inputs need
-    gradients."""
-    op, n = node.op, len(node.inputs)
-    if op.startswith("addmm"):
-        return _product_slots(grads, 1, 2)
-    if op.startswith(_PRODUCTS):
-        return _product_slots(grads, 0, 1) if n >= 2 else ()
-    if op.startswith("div.Tensor") and n >= 2:
-        return tuple(sorted({1} | ({0} if grads[1] else set()))) if any(grads) else ()
-    if op.startswith("scaled_dot_product_attention"):
-        # A boolean mask is kept as the float mask SDPA makes of it (`extra_saved_bytes`).
-        return tuple(i for i in range(n) if not (i == 3 and _is_bool_input(node, i)))
-    if op.startswith(("layer_norm", "native_layer_norm", "rms_norm", "group_norm")):
-        return tuple(range(n))  # input, weight, bias (statistics: `extra_saved_bytes`)
-    if op.startswith(("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
-                      "huber_loss", "binary_cross_entropy")):
-        return tuple(range(n))  # the input (cross-entropy: its log-softmax, same size), target
-    if op.startswith(("index", "gather", "index_select", "embedding_dense")):
-        return tuple(range(1, n))  # the indices
-    if op.startswith(_SAVE_INPUT):
+    gradients (the op's facts, passes/rules)."""
+    f, n = facts(node), len(node.inputs)
+    saves = f.saves
+    if callable(saves):
+        return saves(node.call)
+    if saves == SAVES_INPUTS:
+        return tuple(range(n))
+    if saves == SAVES_FIRST:
         return (0,) if n else ()
-    if op.startswith(_SAVE_OUTPUT) or op.startswith(_SAVE_NOTHING) or _is_view(node):
-        return ()
-    return tuple(range(n))  # unknown op: assume it keeps every input
+    if saves == SAVES_OPERANDS:
+        return _product_slots(grads, *(f.product or (0, 1))) if n >= 2 else ()
+    if saves == SAVES_INDICES:
+        return tuple(range(1, n))
+    if saves == SAVES_DIVISOR:
+        return tuple(sorted({1} | ({0} if grads[1] else set()))) if n >= 2 and any(grads) \
+            else ()
+    return ()  # SAVES_OUTPUT, SAVES_NOTHING
 
 
 def saves_output(node: SNode) -> bool:
     """Whether autograd keeps `node`'s own output(s) for its backward."""
-    return node.op.startswith(_SAVE_OUTPUT)
+    f = facts(node)
+    return f.saves == SAVES_OUTPUT or f.saves_output
 
 
 def _product_slots(grads: tuple[bool, ...], a: int, b: int) -> tuple[int, ...]:
@@ -100,36 +111,14 @@ def _product_slots(grads: tuple[bool, ...], a: int, b: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _is_bool_input(node: SNode, slot: int) -> bool:
-    call = node.call
-    return call is not None and slot < len(call.inputs) and call.inputs[slot].dtype == torch.bool
-
-
-def _is_view(node: SNode) -> bool:
-    from .cost import is_view
-    return is_view(node)
-
-
-def extra_saved_bytes(cost: CostModel, node: SNode, strategy: Strategy) -> float:
-    """Small tensors an op creates only for its backward: a norm's statistics, attention's
-    log-sum-exp (float32 per row) and the additive mask it makes of a boolean one, dropout's
-    mask (one byte per element)."""
+def extra_saved_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
+    """Bytes of the small tensors an op makes only for its backward (a norm's statistics,
+    attention's log-sum-exp, a dropout mask: the op's facts), of this rank's block."""
+    f = facts(node)
+    if f.extra_saved is None or node.call is None:
+        return 0.0
     in_local, out_local = cost.local_shapes(node, strategy)
-    op = node.op
-    if op.startswith(("layer_norm", "native_layer_norm", "rms_norm")) and node.call is not None:
-        normalized = len(node.call.arg(1, "normalized_shape", ()) or ())
-        rows = math.prod(in_local[0][:len(in_local[0]) - normalized])
-        return rows * 4 * (2 if "layer_norm" in op else 1)
-    if op.startswith("scaled_dot_product_attention"):
-        lse = math.prod(in_local[0][:-1]) * 4
-        if len(in_local) > 3 and _is_bool_input(node, 3):
-            # SDPA turns a boolean mask into an additive mask of the query's dtype, at the
-            # mask's full (broadcast) shape, and keeps that for backward.
-            lse += math.prod(in_local[3]) * cost.dtype(node.call.inputs[0].dtype).itemsize
-        return lse
-    if op.startswith("dropout") and node.call is not None and node.call.arg(1, "p", 0.0):
-        return math.prod(out_local[0])
-    return 0.0
+    return f.extra_saved(node.call, in_local, out_local, lambda dt: cost.dtype(dt).itemsize)
 
 
 @dataclass(frozen=True)
@@ -168,7 +157,7 @@ def node_infos(graph: StrategyGraph) -> dict[str, NodeInfo]:
         if ref not in root:
             v = graph.nodes[ref[0]]
             r = ref
-            if v.kind == OP and _is_view(v) and v.inputs and not _copies(graph, v):
+            if v.kind == OP and is_view(v) and v.inputs and not _copies(graph, v):
                 r = root_of(v.inputs[0])
             root[ref] = r
         return root[ref]
@@ -210,14 +199,14 @@ def _copies(graph: StrategyGraph, v: SNode) -> bool:
     if not v.op.startswith(("reshape", "_unsafe_view")):
         return False
     u = graph.nodes[v.inputs[0][0]]
-    while u.kind == OP and _is_view(u):
+    while u.kind == OP and is_view(u):
         if u.op.startswith("expand"):
             return True
         u = graph.nodes[u.inputs[0][0]]
     return False
 
 
-def saved_bytes(cost: CostModel, node: SNode, strategy: Strategy) -> float:
+def saved_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
     """Bytes per device autograd keeps on account of `node` under `strategy` that depend on
     its strategy alone: its own output when its backward needs it, and the small tensors it
     creates for backward. (Its kept inputs are priced on the edges: `edge_saved_bytes`.)"""
@@ -234,7 +223,7 @@ def saved_bytes(cost: CostModel, node: SNode, strategy: Strategy) -> float:
     return total + extra_saved_bytes(cost, node, strategy)
 
 
-def edge_saved_bytes(cost: CostModel, graph: StrategyGraph, consumer: SNode, slot: int,
+def edge_saved_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slot: int,
                      src, dst) -> float:
     """Bytes per device autograd keeps of input `slot` of `consumer`, produced at placements
     `src` and consumed at `dst`. The kept tensor's storage is the output of the last collective
@@ -262,27 +251,46 @@ def edge_saved_bytes(cost: CostModel, graph: StrategyGraph, consumer: SNode, slo
     collectives = [s for s in steps if s.kind != "slice"]
     if collectives:  # a new tensor, shared by the ops that reshard this one alike
         return cost.nbytes(collectives[-1].out_shape, dtype) / kept.direct
-    if kept.held:
+    if kept.held and not _cast_for_compute(cost, graph.nodes[u], dtype):
         return 0.0
     return cost.nbytes(local_shape(shape, src, cost.shape), dtype) * kept.scale / kept.share
 
 
-def parameter_bytes(cost: CostModel, node: SNode, storage) -> dict[str, float]:
-    """Bytes per device of one parameter stored at `storage`: the parameter and its gradient
-    (compute dtype), the optimizer's states and master copy (master dtype) and scalars."""
+def _cast_for_compute(cost: Prices, node: SNode, dtype: torch.dtype) -> bool:
+    """Under mixed precision a floating-point parameter is used as its cast to the compute
+    dtype, a tensor of its own (what autograd keeps, when it keeps the parameter)."""
+    return node.kind == PARAM and cost.precision.master is not None and \
+        dtype.is_floating_point
+
+
+def parameter_bytes(cost: Prices, node: SNode, storage) -> dict[str, float]:
+    """Bytes per device of one parameter stored at `storage`, as the runtime keeps it: the
+    parameter and its gradient, the optimizer's states and scalars; a frozen parameter
+    (requires_grad=False) only itself (in the compute dtype).
+
+    Under mixed precision (FSDP2's MixedPrecisionPolicy(param_dtype=compute,
+    reduce_dtype=master)) the stored parameter is the master copy (float32, what the optimizer
+    steps; its cast to the compute dtype is priced where autograd keeps it:
+    `edge_saved_bytes`); the gradient is in the master dtype (reduced in it), and so is the
+    optimizer's state."""
     local = math.prod(local_shape(node.out_shapes[0], storage, cost.shape))
     dtype = node.out_dtypes[0]
     compute = cost.dtype(dtype)
+    if not node.requires_grad:  # frozen (fine-tuning): stored, never stepped
+        return {"parameters": float(local * compute.itemsize), "gradients": 0.0,
+                "optimizer": 0.0}
     master = cost.precision.master if dtype.is_floating_point else None
     opt = cost.optimizer
-    state_size = (master or dtype).itemsize
-    copies = opt.states + (1 if master is not None else 0)
-    return {"parameters": float(local * compute.itemsize),
-            "gradients": float(local * compute.itemsize),
-            "optimizer": float(local * state_size * copies + opt.scalar_bytes)}
+    if master is None:
+        size = compute.itemsize
+        return {"parameters": float(local * size), "gradients": float(local * size),
+                "optimizer": float(local * size * opt.states + opt.scalar_bytes)}
+    return {"parameters": float(local * master.itemsize),
+            "gradients": float(local * master.itemsize),
+            "optimizer": float(local * master.itemsize * opt.states + opt.scalar_bytes)}
 
 
-def memory_split(graph: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]
+def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
                  ) -> dict[str, float]:
     """Bytes per device of a complete assignment, by kind; sums to the ILP's memory."""
     out = dict.fromkeys(KINDS, 0.0)
@@ -298,7 +306,7 @@ def memory_split(graph: StrategyGraph, cost: CostModel, choice: dict[str, Strate
     return out
 
 
-def plan_memory(graph: StrategyGraph, cost: CostModel, choice: dict[str, int]) -> float:
+def plan_memory(graph: StrategyGraph, cost: Prices, choice: dict[str, int]) -> float:
     """Bytes per device of a complete assignment (strategy index per node): the memory
     constraint's left-hand side evaluated directly."""
     return sum(memory_split(graph, cost, {n: graph.nodes[n].strategies[k]
@@ -319,7 +327,6 @@ def zero_memory(num_params: int, devices: int, setup: str | int, precision="bf16
     gradient, 12 of master weight and moments per parameter) these are ZeRO's 16 Psi,
     4 Psi + 12 Psi / N, 2 Psi + 14 Psi / N and 16 Psi / N (plus AdamW's `step` scalars, one
     per tensor on every rank, as sharding per parameter keeps them)."""
-    from .cost import optimizer_spec, precision_spec
     stage = ZERO_STAGES[setup] if isinstance(setup, str) else int(setup)
     prec, opt = precision_spec(precision), optimizer_spec(optimizer)
     p = prec.compute.itemsize
@@ -331,110 +338,3 @@ def zero_memory(num_params: int, devices: int, setup: str | int, precision="bf16
     scalars = opt.scalar_bytes * tensors  # per parameter tensor, on every rank
     return {"parameters": p * share(stage >= 3), "gradients": p * share(stage >= 2),
             "optimizer": k * share(stage >= 1) + scalars}
-
-
-# -- the smallest peak any plan reaches -----------------------------------------------------------
-
-def min_memory(graph: StrategyGraph, cost: CostModel, forced: dict[str, list[int]] | None = None,
-               time_limit: float = 30.0) -> tuple[float, dict[str, int]]:
-    """The smallest memory per device over every valid plan (the intra-op ILP with memory as
-    its objective), and one plan that reaches it (strategy index per node)."""
-    from ortools.linear_solver import pywraplp
-
-    from .cost import INFEASIBLE
-    from .ilp import _classes, edges, node_costs
-
-    solver = pywraplp.Solver.CreateSolver("HIGHS")
-    solver.SetTimeLimit(int(time_limit * 1000))
-    t = node_costs(graph, cost)
-    objective = solver.Objective()
-    x: dict[str, list] = {}
-    for v in graph.nodes.values():
-        allowed = set(forced[v.name]) if forced and v.name in forced else None
-        row = []
-        for k, s in enumerate(v.strategies):
-            var = solver.BoolVar("")
-            if (allowed is not None and k not in allowed) or t[v.name][k] == INFEASIBLE:
-                var.SetUb(0)
-            m = cost.node_memory(v, s)
-            if m:
-                objective.SetCoefficient(var, m / GiB)
-            row.append(var)
-        solver.Add(sum(row) == 1)
-        x[v.name] = row
-    for e in edges(graph):
-        u, v = graph.nodes[e.producer], graph.nodes[e.consumer]
-        a_cls = _classes([s.out(e.out_index) for s in u.strategies])
-        b_cls = _classes([s.inputs[e.slot] for s in v.strategies])
-        y = {}
-        for a in a_cls:
-            for b in b_cls:
-                if cost.edge_time(graph, v, e.slot, a, b) == INFEASIBLE:
-                    continue
-                y[(a, b)] = solver.NumVar(0, 1, "")
-                m = cost.edge_memory(graph, v, e.slot, a, b)
-                if m:
-                    objective.SetCoefficient(y[(a, b)], m / GiB)
-        for a, ks in a_cls.items():
-            solver.Add(sum(y[(a, b)] for b in b_cls if (a, b) in y)
-                       == sum(x[u.name][k] for k in ks))
-        for b, js in b_cls.items():
-            solver.Add(sum(y[(a, b)] for a in a_cls if (a, b) in y)
-                       == sum(x[v.name][j] for j in js))
-    objective.SetMinimization()
-    status = solver.Solve()
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        raise RuntimeError(f"the minimum-memory ILP found no plan (status {status})")
-    choice = {n: max(range(len(row)), key=lambda k, row=row: row[k].solution_value())
-              for n, row in x.items()}
-    return plan_memory(graph, cost, choice), choice
-
-
-def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
-                       forced: dict[str, list[int]] | None = None) -> str:
-    """Why no plan fits `budget`: the smallest peak any plan reaches, its split, what dominates
-    it (the largest contributors) and what to change."""
-    try:
-        peak, index = min_memory(graph, cost, forced)
-    except RuntimeError as e:
-        return f"no plan fits the memory budget of {_gib(budget)} per device ({e})"
-    choice = {n: graph.nodes[n].strategies[k] for n, k in index.items()}
-    split = memory_split(graph, cost, choice)
-    dominant = max(split, key=lambda k: split[k])
-    items = []
-    for v in graph.nodes.values():
-        s = choice[v.name]
-        if dominant == "activations":
-            b = cost.activation_memory(v, s) + sum(
-                cost.edge_memory(graph, v, slot, choice[u].out(idx), s.inputs[slot])
-                for slot, (u, idx) in enumerate(v.inputs))
-            what = f"{v.name} ({v.op})"
-        elif v.kind == PARAM:
-            b = cost.param_memory_split(v, s.output)[dominant]
-            what = v.param_name or v.name
-        else:
-            continue
-        if b > 0:
-            items.append((b, what))
-    items.sort(key=lambda bw: -bw[0])
-    top = "; ".join(f"{what} {_gib(b)}" for b, what in items[:3])
-    parts = ", ".join(f"{k} {_gib(v)}" for k, v in split.items())
-    if dominant == "activations":
-        advice = ("use a smaller batch or sequence, more devices, or pipeline stages (a mesh "
-                  "dimension named \"pp\")")
-    else:
-        advice = ("shard over more devices, use mixed precision (precision=\"bf16-mixed\") or an "
-                  "optimizer with less state (optimizer=\"sgd-momentum\")")
-    styles = " under the forced styles" if forced else ""
-    return (f"no plan fits the memory budget of {_gib(budget)} per device: the smallest peak any "
-            f"plan reaches{styles} is {_gib(peak)} ({parts}), dominated by {dominant} (largest: "
-            f"{top}). Raise memory_budget, or {advice}.")
-
-
-def _gib(b: float) -> str:
-    """Bytes for people: MiB below a GiB, GiB above."""
-    if abs(b) < GiB:
-        return f"{b / 2**20:.3f} MiB"
-    return f"{b / GiB:.3f} GiB"
-
-

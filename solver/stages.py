@@ -68,10 +68,12 @@ from types import SimpleNamespace
 
 from ortools.sat.python import cp_model
 
+from autopar.passes.cluster import cluster
 from autopar.passes.placement import local_shape
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, Strategy, StrategyGraph
 
-from .cost import CostModel, is_view
+from .cost import CostModel
+from .flops import is_view
 from .ilp import loss_sink_time, solve
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -511,10 +513,6 @@ def _clustering(sub: StrategyGraph, program) -> dict:
     (boundary inputs, copies of other stages' nodes, must not count as layer members)."""
     if program is None:
         return {}
-    try:
-        from autopar.passes.cluster import cluster
-    except ImportError:  # an older solver without clustering
-        return {}
     own = [n for n in program.graph.nodes if n.name in sub.nodes
            and sub.nodes[n.name].kind != INPUT]
     view = SimpleNamespace(graph=SimpleNamespace(nodes=own))
@@ -588,6 +586,75 @@ def price_blocks(graph: StrategyGraph, cost: CostModel, block_of: dict[str, int]
     return blocks
 
 
+@dataclass
+class PipelinePrice:
+    """What a pipelined plan costs, from its stages' prices (the module docstring's model):
+    per stage, seconds per microbatch (with its sends), gradient sync, send seconds and
+    microbatches in flight; per pp rank, bytes per device by kind; the step, and the busiest pp
+    rank's compute and communication by kind (its bubble as "pipeline_bubble"); and every
+    send, as (value, bytes, seconds, "forward" or "backward")."""
+
+    stage_time: list[float]
+    grad_sync: list[float]
+    transfer: list[float]
+    held: list[float]
+    rank_memory: list[dict[str, float]]
+    step: float
+    compute: float
+    communication: dict[str, float]
+    sends: list[tuple[str, int, float, str]]
+
+
+def price_pipeline(graph: StrategyGraph, cost: CostModel, stages: list, stage_of: dict,
+                   choice: dict[str, Strategy], link, schedule: str, p: int, m: int, v: int
+                   ) -> PipelinePrice:
+    """Price a pipelined plan: `stages` is each stage's (subgraph, strategies) in order,
+    `stage_of` every op's stage, `choice` every node's strategy, `link` the pp link."""
+    num_stages = len(stages)
+    crossing_values = crossing(graph, {n: k for n, k in stage_of.items()
+                                       if graph.nodes[n].kind == OP})
+    stage_time, grad_sync, transfer, priced, sends = [], [], [], [], []
+    for s, (g, picked) in enumerate(stages):
+        pr = price(g, cost, picked)
+        values = crossing_values.get(s, [])
+        t_send = transfer_time(graph, cost, values, choice, link)[0]
+        for u, idx in values:
+            node = graph.nodes[u]
+            dtype = node.out_dtypes[idx or 0]
+            nbytes = cost.nbytes(local_shape(node.out_shapes[idx or 0], choice[u].out(idx),
+                                             cost.shape), dtype)
+            t = link.alpha + nbytes / link.bandwidth
+            sends.append((u, nbytes, t, "forward"))
+            if node.requires_grad and dtype.is_floating_point:
+                sends.append((u, nbytes, t, "backward"))
+        stage_time.append(pr.time + t_send)
+        grad_sync.append(pr.grad_sync)
+        transfer.append(t_send)
+        priced.append(pr)
+    held = [in_flight(schedule, p, m, v, s % p) for s in range(num_stages)]
+    rank_memory = []
+    for r in range(p):
+        mem = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0}
+        for s in range(r, num_stages, p):
+            for key, val in priced[s].memory.items():
+                mem[key] += val * (held[s] if key == "activations" else 1)
+        rank_memory.append(mem)
+    total = step_time(stage_time, grad_sync, p, m, v)
+    ranks = [sum(stage_time[r::p]) for r in range(p)]
+    busy = max(range(p), key=lambda r: ranks[r])
+    mine = range(busy, num_stages, p)
+    comm = {k: 0.0 for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")}
+    for s in mine:
+        for key, val in priced[s].communication.items():
+            comm[key] = comm.get(key, 0.0) + m * val
+    comm["p2p"] = m * sum(transfer[s] for s in mine)
+    comm["gradient_sync"] = sum(grad_sync[s] for s in mine)
+    compute = m * sum(priced[s].compute for s in mine)
+    comm["pipeline_bubble"] = max(0.0, total - compute - sum(comm.values()))
+    return PipelinePrice(stage_time, grad_sync, transfer, held, rank_memory, total, compute,
+                         comm, sends)
+
+
 def activation_scaled(cost: CostModel, factor: float) -> CostModel:
     """A copy of `cost` whose kept activations count `factor` microbatches in flight (what the
     intra-op ILP's memory constraint must see for one pipeline stage)."""
@@ -599,7 +666,8 @@ def stage_budget(memory_budget: float, v: int) -> float:
     return memory_budget / v
 
 
-__all__ = ["SCHEDULES", "Block", "Priced", "StageError", "StageSolution", "activation_scaled",
+__all__ = ["SCHEDULES", "Block", "PipelinePrice", "Priced", "StageError", "StageSolution",
+           "activation_scaled", "price_pipeline",
            "bubble_fraction", "choose", "crossing", "divisors", "in_flight", "price",
            "price_blocks", "schedule_problem", "signature", "solve_stages", "solve_subgraph",
            "stage_budget", "step_time", "subgraph", "transfer_time"]

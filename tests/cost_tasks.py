@@ -8,9 +8,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import autopar
-from tests import models
+from autopar import zoo
 from tests.rank_tasks import build as build_named
 from tests.rank_tasks import mesh_for
 
@@ -22,13 +23,19 @@ def build(name):
         cfg = dict(name[1])
         batch = cfg.pop("batch")
         torch.manual_seed(0)
-        model = models.GPT(models.GPTConfig(**cfg))
+        model = zoo.GPT(zoo.GPTConfig(**cfg))
         x = torch.randint(0, cfg["vocab_size"], (batch, cfg["block_size"]))
-        return model, models.lm_loss, (x, torch.roll(x, -1, 1))
+        return model, zoo.lm_loss, (x, torch.roll(x, -1, 1))
     return build_named(name)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's block of `t` (a DTensor parameter, gradient or optimizer state), or `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _bytes(t: torch.Tensor) -> int:
+    t = local(t)
     return t.numel() * t.element_size()
 
 
@@ -43,7 +50,7 @@ class SavedTensors:
     excluded: they are counted as parameters)."""
 
     def __init__(self, held):
-        self.exclude = {t.untyped_storage().data_ptr() for t in held}
+        self.exclude = {local(t).untyped_storage().data_ptr() for t in held}
         self.storages: dict[int, int] = {}
         self.shapes: dict[int, list] = {}
 
@@ -63,13 +70,15 @@ class SavedTensors:
         return sum(self.storages.values())
 
 
-def measured_memory(name, mesh_shape, force, optimizer: str = "adamw") -> dict:
+def measured_memory(name, mesh_shape, force, optimizer: str = "adamw",
+                    precision: str = "fp32") -> dict:
     """After one training step of the planned model, the bytes this rank holds: parameters,
     gradients and optimizer state summed over its tensors, and the activations autograd saved
     in the step. Returns them with the plan's prediction (rank 0's plan)."""
     model, loss_fn, (x, y) = build(name)
     mesh = mesh_for(mesh_shape)
-    pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y), force=force)
+    pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y), force=force,
+                             precision=precision)
     params = list(pm.parameters())
     if optimizer == "adamw":
         opt = torch.optim.AdamW(params, lr=1e-3)
@@ -128,12 +137,12 @@ def op_times(name, mesh_shapes: list, profile: dict, min_time: float = 0.002) ->
     """Measured (forward, backward) seconds of every op of the model's strategy graphs on the
     given meshes, timed on every rank at once (ranks sharing a machine share its cores, as in a
     step); returns rank 0's times by op key."""
-    from autopar.api import _trace
     from autopar.passes import strategies
+    from autopar.passes.trace import trace_example
     from autopar.profile import OpProfiler
     from autopar.solver.cost import CostModel
     model, loss_fn, (x, y) = build(name)
-    program = _trace(model, (x, y), loss_fn)
+    program = trace_example(model, (x, y), loss_fn)
     profiler = OpProfiler("cpu", cache_dir=False, min_time=min_time, samples=3)
     hw = autopar.HardwareProfile.from_dict(profile)
     for shape in mesh_shapes:

@@ -1,4 +1,7 @@
-"""Small, plain test models (nanoGPT style, no dropout)."""
+"""Small, plain test models (nanoGPT style): MLPs, residual blocks, a drawn tiny transformer
+(grouped-query attention, RMSNorm) and its mixture-of-experts variant, and the Hugging Face
+models only the tests use (Llama with LoRA adapters, Mixtral). The GPT, Llama and GPT-2 are
+autopar.zoo's."""
 
 from dataclasses import dataclass
 
@@ -6,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: F401  (the demo's model)
+from autopar.zoo import LogitsOnly, lm_loss
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "tanh": nn.Tanh}
 
@@ -76,55 +79,36 @@ class ResidualMLP(nn.Module):
 
 
 
-class LogitsOnly(nn.Module):
-    """Wraps a Hugging Face causal LM so that forward(input_ids) returns just the logits tensor."""
+def hf_llama_lora(rank: int = 4, **llama):
+    """A Hugging Face Llama with peft LoRA adapters on q_proj and v_proj: only the adapters
+    train (the base weights are frozen); adapters start random, not zero, so that every one
+    of them gets a gradient from the first step."""
+    from peft import LoraConfig, get_peft_model
 
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
+    from autopar.zoo import hf_llama
 
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids).logits
-
-
-def hf_gpt2(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        vocab_size=vocab_size,
-        n_positions=n_positions,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        summary_first_dropout=0.0,
-        bos_token_id=None,
-        eos_token_id=None,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    return LogitsOnly(GPT2LMHeadModel(config))
+    base = hf_llama(**llama).model
+    lora = get_peft_model(base, LoraConfig(r=rank, target_modules=["q_proj", "v_proj"],
+                                           init_lora_weights=False))
+    return LogitsOnly(lora)
 
 
-def hf_llama(
-    num_hidden_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=128,
-    max_position_embeddings=32,
-):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_mixtral(experts_implementation="batched_mm", num_hidden_layers=2, hidden_size=32,
+               num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+               num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
+               max_position_embeddings=16):
+    """Mixtral from config. Its eager experts pick tokens with nonzero (a data-dependent shape);
+    "batched_mm" gathers each token's expert weights, "grouped_mm" sorts tokens by expert."""
+    from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = LlamaConfig(
+    config = MixtralConfig(
         num_hidden_layers=num_hidden_layers,
         hidden_size=hidden_size,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         intermediate_size=intermediate_size,
+        num_local_experts=num_local_experts,
+        num_experts_per_tok=num_experts_per_tok,
         vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
         attention_dropout=0.0,
@@ -133,8 +117,9 @@ def hf_llama(
         pad_token_id=None,
         use_cache=False,
         attn_implementation="sdpa",
+        experts_implementation=experts_implementation,
     )
-    return LogitsOnly(LlamaForCausalLM(config))
+    return LogitsOnly(MixtralForCausalLM(config))
 
 
 @dataclass
@@ -206,3 +191,114 @@ class TinyTransformer(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(self.norm(x))
+
+
+@dataclass
+class MoEConfig(TinyConfig):
+    """A TinyTransformer whose MLPs are mixtures of SwiGLU experts, top-k chosen per token."""
+
+    experts: int = 4
+    top_k: int = 2
+    ffn: int = 8                # inner width of every expert
+    shared_expert: bool = True  # one more expert that every token goes through
+    # False: a loop over the experts, each on every token, weighted by the router score (0 where
+    # the token did not choose it). True: one batched matmul with the weights each token chose.
+    grouped: bool = False
+    # "loss": the model also returns the auxiliary load-balancing loss (see moe_loss);
+    # "count": a buffer counts the tokens each expert got, updated in place while training.
+    balance: str = "loss"
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.w_in = nn.Linear(hidden, 2 * ffn, bias=False)  # gate and up
+        self.w_out = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w_in(x).chunk(2, -1)
+        return self.w_out(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    """Token-choice top-k mixture of experts: softmax router, top-k, weights renormalised."""
+
+    def __init__(self, c: MoEConfig):
+        super().__init__()
+        self.c = c
+        self.router = nn.Linear(c.hidden, c.experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(c.experts, c.hidden, 2 * c.ffn) / c.hidden ** 0.5)
+        self.w_out = nn.Parameter(torch.randn(c.experts, c.ffn, c.hidden) / c.ffn ** 0.5)
+        self.shared = SwiGLU(c.hidden, c.ffn) if c.shared_expert else None
+        self.register_buffer("tokens_per_expert", torch.zeros(c.experts))
+
+    def expert(self, x, e):
+        gate, up = (x @ self.w_in[e]).chunk(2, -1)
+        return (F.silu(gate) * up) @ self.w_out[e]
+
+    def forward(self, x):
+        """x (..., hidden) -> (output, auxiliary load-balancing loss)."""
+        c, shape = self.c, x.shape
+        x = x.reshape(-1, shape[-1])                                 # (tokens, hidden)
+        probs = self.router(x).softmax(-1)                           # (tokens, experts)
+        weights, chosen = probs.topk(c.top_k, dim=-1)                # (tokens, top_k)
+        weights = weights / weights.sum(-1, keepdim=True)
+        routed = F.one_hot(chosen, c.experts)                        # (tokens, top_k, experts)
+        if c.grouped:
+            gate, up = (x[:, None, None] @ self.w_in[chosen]).squeeze(2).chunk(2, -1)
+            y = ((F.silu(gate) * up)[:, :, None] @ self.w_out[chosen]).squeeze(2)
+            y = (y * weights[..., None]).sum(1)
+        else:
+            score = (routed * weights[..., None]).sum(1)             # (tokens, experts)
+            y = sum(score[:, e, None] * self.expert(x, e) for e in range(c.experts))
+        if self.shared is not None:
+            y = y + self.shared(x)
+        counts = routed.sum((0, 1))
+        if c.balance == "count" and self.training:
+            self.tokens_per_expert.add_(counts)
+        # Switch Transformer's loss: experts x sum over experts of (share of the routed tokens x
+        # mean router probability); smallest when both are uniform.
+        aux = c.experts * (counts / chosen.numel() * probs.mean(0)).sum()
+        return y.reshape(shape), aux
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, c: MoEConfig):
+        super().__init__()
+        self.n1, self.n2 = make_norm(c.norm, c.hidden), make_norm(c.norm, c.hidden)
+        self.attn = TinyAttention(c)
+        self.moe = MoE(c)
+
+    def forward(self, x):
+        x = x + self.attn(self.n1(x))
+        y, aux = self.moe(self.n2(x))
+        return x + y, aux
+
+
+class MoETransformer(nn.Module):
+    """Embedding, `depth` MoE blocks, final norm, LM head. Returns the logits, and with
+    balance="loss" also the blocks' summed load-balancing loss."""
+
+    def __init__(self, c: MoEConfig):
+        super().__init__()
+        self.c = c
+        self.emb = nn.Embedding(c.vocab, c.hidden)
+        self.blocks = nn.ModuleList([MoEBlock(c) for _ in range(c.depth)])
+        self.norm = make_norm(c.norm, c.hidden)
+        self.head = nn.Linear(c.hidden, c.vocab, bias=False)
+        if c.tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x, aux = self.emb(idx), 0.0
+        for b in self.blocks:
+            x, a = b(x)
+            aux = aux + a
+        logits = self.head(self.norm(x))
+        return (logits, aux) if self.c.balance == "loss" else logits
+
+
+def moe_loss(out, targets, aux_weight=0.1):
+    """The language-model loss plus the weighted load-balancing loss (for balance="loss")."""
+    logits, aux = out
+    return lm_loss(logits, targets) + aux_weight * aux

@@ -35,6 +35,7 @@ def train_equivalence(name: str, shape: tuple[int, ...], names: tuple[str, ...],
     every rank, whose plan (saved and loaded) parallelize then runs. Returns the plan as data
     (rank 0)."""
     model, loss_fn, (x, y) = rank_tasks.build(name)
+    model, (x, y) = rank_tasks.in_float64(model, (x, y))
     ref = copy.deepcopy(model)
     mesh = mesh_for(shape, names)
     if given_plan:
@@ -67,3 +68,18 @@ def expect_error(kind: str) -> str:
         return f"{type(e).__name__}: {e}"
     return "no error"
 
+
+
+def mixed_precision_errors(shape: tuple[int, ...], names: tuple[str, ...], **options) -> dict:
+    """bf16-mixed pipelined training of the GPT against rank_tasks.MixedReference: relative
+    errors of the loss and the gradients (as rank_tasks.mixed_precision_errors measures)."""
+    model, loss_fn, (x, y) = rank_tasks.build("gpt")
+    ref = rank_tasks.MixedReference(copy.deepcopy(model))
+    pm = autopar.parallelize(model, mesh_for(shape, names), loss_fn=loss_fn,
+                             example_inputs=(x, y), precision="bf16-mixed", **options)
+    loss = pm.step(x, y)
+    ref_loss = ref.step(loss_fn, x, y)
+    grads = pm.full_grads()
+    return {"loss": abs(float(loss - ref_loss)) / abs(float(ref_loss)),
+            "gradient": max(rank_tasks.relative_error(grads[n], p.grad)
+                            for n, p in ref.master.named_parameters())}

@@ -13,10 +13,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
+from autopar import zoo
 from tests import models
 
 RTOL, ATOL = 1e-4, 1e-5
 _MESHES: dict = {}
+# Models compared in float32: torch's grouped_mm has no float64 kernel on cpu, and Hugging
+# Face's grouped_mm experts call it in eager mode (the traced program calls its fallback).
+FLOAT32_ONLY = ("hf_mixtral_grouped",)
 
 
 def mesh_for(shape: tuple[int, ...]):
@@ -49,17 +53,42 @@ def build(name):
         y = torch.randn(4, 6, 16)
         return model, torch.nn.functional.mse_loss, (x, y)
     if name == "gpt":
-        model = models.GPT(models.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
-                                            n_embd=32))
+        model = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
+                                      n_embd=32))
     elif name == "hf_gpt2":
-        model = models.hf_gpt2(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+        model = zoo.hf_gpt2(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+    elif name == "hf_gpt2_dropout":  # embedding, residual and attention (SDPA) dropout
+        model = zoo.hf_gpt2(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                            dropout=0.2)
     elif name == "hf_llama":
-        model = models.hf_llama(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
-                                num_key_value_heads=2, intermediate_size=64, vocab_size=64,
-                                max_position_embeddings=16)
+        model = zoo.hf_llama(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=64, vocab_size=64,
+                             max_position_embeddings=16)
+    elif name == "hf_llama_lora":  # fine-tuning: only the LoRA adapters train
+        model = models.hf_llama_lora(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=64,
+                                     vocab_size=64, max_position_embeddings=16)
+    elif name in ("hf_mixtral", "hf_mixtral_grouped"):  # experts as batched_mm or grouped_mm
+        model = models.hf_mixtral("grouped_mm" if name.endswith("grouped") else "batched_mm")
+    elif name in ("moe_loop", "moe_grouped"):
+        # A loop over experts with a shared expert and the load-balancing loss; a batched
+        # matmul over the chosen experts' weights with a token-count buffer.
+        loop = name == "moe_loop"
+        c = models.MoEConfig(vocab=64, hidden=32, heads=4, kv_heads=2, depth=2, seq=16,
+                             tied=False, experts=4, top_k=2, ffn=16, shared_expert=loop,
+                             grouped=not loop, balance="loss" if loop else "count")
+        x = torch.randint(0, 64, (4, 16))
+        return models.MoETransformer(c), models.moe_loss if loop else zoo.lm_loss, (
+            x, torch.roll(x, -1, 1))
     elif name == "odd":  # batch 3, widths 5/6/7: only the hidden width 6 splits over 2 ranks
         return models.MLP([5, 6, 7]), torch.nn.functional.cross_entropy, (
             torch.randn(3, 5), torch.randint(0, 7, (3,)))
+    elif name == "noisy":  # rand_like, randn_like, bernoulli.p and dropout in one MLP
+        return _Noisy(), torch.nn.functional.cross_entropy, (
+            torch.randn(8, 16), torch.randint(0, 8, (8,)))
+    elif name == "no_grad_region":  # a gate computed under torch.no_grad() in forward
+        return _NoGradGate(), torch.nn.functional.cross_entropy, (
+            torch.randn(8, 16), torch.randint(0, 8, (8,)))
     elif name == "unsupported":  # aten.flip has no sharding rule
         return _Flipped(), torch.nn.functional.cross_entropy, (
             torch.randn(4, 8), torch.randint(0, 8, (4,)))
@@ -67,7 +96,15 @@ def build(name):
         raise ValueError(name)
     x = torch.randint(0, 64, (4, 16))
     y = torch.randint(0, 64, (4, 16))
-    return model, models.lm_loss, (x, y)
+    return model, zoo.lm_loss, (x, y)
+
+
+def in_float64(model, example):
+    """The model and its example batch in float64. Equivalence is checked in float64 so that
+    the tolerance sits far above reassociation noise: in float32, AdamW turns the rounding of a
+    gradient near eps into parameter differences of 1e-5 after three steps, on one device too
+    (float32 against float64 single-device training differs that much)."""
+    return model.double(), tuple(t.double() if t.is_floating_point() else t for t in example)
 
 
 def build_family(family: str, cfg: dict):
@@ -86,11 +123,16 @@ def build_family(family: str, cfg: dict):
     if family == "tiny":
         c = models.TinyConfig(**{k: v for k, v in cfg.items() if k not in ("batch", "seed")})
         x = torch.randint(0, c.vocab, (cfg["batch"], c.seq))
-        return models.TinyTransformer(c), models.lm_loss, (x, torch.roll(x, -1, 1))
+        return models.TinyTransformer(c), zoo.lm_loss, (x, torch.roll(x, -1, 1))
+    if family == "moe":
+        c = models.MoEConfig(**{k: v for k, v in cfg.items() if k not in ("batch", "seed")})
+        x = torch.randint(0, c.vocab, (cfg["batch"], c.seq))
+        loss = models.moe_loss if c.balance == "loss" else zoo.lm_loss
+        return models.MoETransformer(c), loss, (x, torch.roll(x, -1, 1))
     raise ValueError(family)
 
 
-def _check(what: str, got: dict, want: dict) -> None:
+def check_equal(what: str, got: dict, want: dict) -> None:
     for name in want:
         try:
             torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL)
@@ -99,10 +141,16 @@ def _check(what: str, got: dict, want: dict) -> None:
                 from None
 
 
+def grads_of(params: dict) -> dict:
+    """Each parameter's gradient, zeros for one without (a frozen parameter), as
+    pmodel.full_grads() gives them."""
+    return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
+
+
 def check_training(pm, ref, loss_fn, x, y, steps: int) -> None:
     """Train the parallel model `pm` and the single-device `ref` side by side for `steps`
-    AdamW steps: the loss of every step, the gradients of the first, the parameters after the
-    last and the inference output must all be equal."""
+    AdamW steps: the loss of every step, the gradients of the first, the parameters and buffers
+    after the last and the inference output must all be equal."""
     # eps 1e-5 rather than 1e-8: some parameters (attention key biases) have an exactly zero
     # true gradient, and AdamW with a tiny eps divides float noise by float noise, turning
     # reassociation differences of 1e-9 into parameter differences of lr.
@@ -117,10 +165,12 @@ def check_training(pm, ref, loss_fn, x, y, steps: int) -> None:
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
         if step == 0:
-            _check("gradient", pm.full_grads(), {n: p.grad for n, p in ref_params.items()})
+            check_equal("gradient", pm.full_grads(), grads_of(ref_params))
         opt.step()
         ref_opt.step()
-    _check("parameter", pm.full_parameters(), {n: p.detach() for n, p in ref_params.items()})
+    check_equal("parameter", pm.full_parameters(), {n: p.detach() for n, p in ref_params.items()})
+    state = pm.state_dict()  # buffers come whole: those updated in forward took every update
+    check_equal("buffer", state, {n: b for n, b in ref.named_buffers() if n in state})
     with torch.no_grad():
         torch.testing.assert_close(pm(x), ref(x), rtol=RTOL, atol=ATOL)
 
@@ -131,12 +181,43 @@ def train_equivalence(name, mesh_shape: tuple, force=None, steps: int = 3,
     to single-device training. Runs the solver's plan, or `plan` (as data) when given. Returns
     the plan as data (from rank 0)."""
     model, loss_fn, (x, y) = build(name)
+    if name not in FLOAT32_ONLY:
+        model, (x, y) = in_float64(model, (x, y))
     ref = copy.deepcopy(model)
     mesh = mesh_for(mesh_shape)
     pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y), force=force,
                              plan=autopar.Plan.from_dict(plan) if plan else None)
     check_training(pm, ref, loss_fn, x, y, steps)
     return pm.plan.to_dict() if dist.get_rank() == 0 else None
+
+
+class _Noisy(torch.nn.Module):
+    """An MLP with noise injection, a random gate and dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = h + 0.1 * torch.randn_like(h) * torch.rand_like(h)
+        h = torch.relu(h) * h.detach().bernoulli(0.8)
+        return self.fc2(torch.nn.functional.dropout(h, 0.3, training=True))
+
+
+class _NoGradGate(torch.nn.Module):
+    """An MLP scaled by a gate that gets no gradient (its weights get none at all)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.gate, self.fc2 = (torch.nn.Linear(16, 32), torch.nn.Linear(32, 32),
+                                         torch.nn.Linear(32, 8))
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        with torch.no_grad():
+            g = torch.sigmoid(self.gate(h))
+        return self.fc2(h * g)
 
 
 class _Flipped(torch.nn.Module):
@@ -196,5 +277,100 @@ def accumulation_equivalence(name, mesh_shape: tuple, force=None) -> None:
     for _ in range(2):
         pm.step(x, y)
         loss_fn(ref(x), y).backward()
-    _check("accumulated gradient", pm.full_grads(),
+    check_equal("accumulated gradient", pm.full_grads(),
            {n: p.grad for n, p in ref.named_parameters()})
+
+
+def dropout_equivalence(name, mesh_shape: tuple, force=None, steps: int = 2) -> dict | None:
+    """With dropout: seeded alike before every step on every rank and before the single-device
+    step, the loss and the gradients (and the parameters after `steps` AdamW steps) equal
+    single-device training, so each rank drew the block of the single-device masks."""
+    model, loss_fn, (x, y) = build(name)
+    model, (x, y) = in_float64(model, (x, y))
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn, example_inputs=(x, y),
+                             force=force)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-5)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-5)
+    ref_params = dict(ref.named_parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        torch.manual_seed(100 + step)
+        loss = pm.step(x, y)
+        ref_opt.zero_grad()
+        torch.manual_seed(100 + step)
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        check_equal("gradient", pm.full_grads(), {n: p.grad for n, p in ref_params.items()})
+        opt.step()
+        ref_opt.step()
+    check_equal("parameter", pm.full_parameters(), {n: p.detach() for n, p in ref_params.items()})
+    return pm.plan.to_dict() if dist.get_rank() == 0 else None
+
+
+class MixedReference:
+    """Single-device bf16-mixed training as autopar does it (FSDP2's MixedPrecisionPolicy
+    with param_dtype=bfloat16, reduce_dtype=float32): the float32 model is the master that
+    the optimizer steps; each step computes on its bfloat16 cast, with floating inputs cast to
+    bfloat16 and outputs back to float32 (the loss in float32); gradients reach the master in
+    float32."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.master = model
+        self.compute = copy.deepcopy(model).to(torch.bfloat16)
+
+    def step(self, loss_fn, x, y) -> torch.Tensor:
+        with torch.no_grad():
+            for c, m in zip(self.compute.parameters(), self.master.parameters()):
+                c.copy_(m)
+        self.compute.zero_grad()
+        xs = x.to(torch.bfloat16) if x.is_floating_point() else x
+        out = self.compute(xs).float()
+        loss = loss_fn(out, y)
+        loss.backward()
+        for c, m in zip(self.compute.parameters(), self.master.parameters()):
+            g = c.grad.float()
+            m.grad = g if m.grad is None else m.grad + g
+        return loss.detach()
+
+
+def mixed_precision_errors(name, mesh_shape: tuple, force=None, steps: int = 2) -> dict:
+    """bf16-mixed training of `name` against MixedReference, as relative errors: the loss of
+    every step; the gradients of the first (per tensor: max |difference| / max |reference|);
+    the total update of the parameters after `steps` SGD steps (same measure: SGD, since
+    Adam's normalization turns bfloat16 noise on near-zero gradients into whole steps, on one
+    device too). The master parameters stay float32."""
+    model, loss_fn, (x, y) = build(name)
+    ref = MixedReference(copy.deepcopy(model))
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
+                             example_inputs=(x, y), force=force, precision="bf16-mixed")
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.master.parameters(), lr=0.1)
+    errors = {"loss": 0.0, "gradient": 0.0, "update": 0.0}
+    for step in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pm.step(x, y)
+        ref_loss = ref.step(loss_fn, x, y)
+        errors["loss"] = max(errors["loss"], abs(float(loss - ref_loss)) / abs(float(ref_loss)))
+        if step == 0:
+            got = pm.full_grads()
+            for n, p in ref.master.named_parameters():
+                errors["gradient"] = max(errors["gradient"], relative_error(got[n], p.grad))
+        opt.step()
+        ref_opt.step()
+    got = pm.full_parameters()
+    for n, p in ref.master.named_parameters():
+        assert got[n].dtype == torch.float32, (n, got[n].dtype)  # the master stays float32
+        errors["update"] = max(errors["update"], relative_error(got[n] - start[n],
+                                                           p.detach() - start[n]))
+    return errors
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (0 when both are zero)."""
+    scale = float(want.detach().abs().max())
+    diff = float((got.detach() - want.detach()).abs().max())
+    return 0.0 if scale == 0.0 and diff == 0.0 else diff / max(scale, 1e-12)

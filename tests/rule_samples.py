@@ -57,6 +57,7 @@ class Sample:
     name: str
     build: Callable[[Gen], tuple[tuple, dict]]
     no_grad: tuple[int, ...] = ()  # tensor inputs (flattened order) torch cannot differentiate
+    exact: bool = False  # compare bit for bit (random ops: each rank's draw is the whole one's)
 
     @property
     def op_name(self) -> str:
@@ -85,10 +86,10 @@ SAMPLES: list[Sample] = []
 
 
 def add(op, name: str, build: Callable[[Gen], tuple[tuple, dict]],
-        no_grad: tuple[int, ...] = ()) -> None:
+        no_grad: tuple[int, ...] = (), exact: bool = False) -> None:
     if any(s.op == op and s.name == name for s in SAMPLES):
         raise ValueError(f"duplicate sample {op} {name}")
-    SAMPLES.append(Sample(op, name, build, no_grad))
+    SAMPLES.append(Sample(op, name, build, no_grad, exact))
 
 
 def call(*args, **kwargs) -> tuple[tuple, dict]:
@@ -114,7 +115,7 @@ _UNARY_FLOAT = {
     aten.le.Scalar: (0.3,), aten.ne.Scalar: (0.0,), aten.add.Scalar: (1.5,),
     aten.sub.Scalar: (0.5,), aten.rsub.Scalar: (2.0,), aten.remainder.Scalar: (0.7,),
     aten.fmod.Scalar: (0.7,), aten.mul.Scalar: (2.5,), aten.div.Scalar: (4.0,),
-    aten.pow.Tensor_Scalar: (2,), aten.dropout.default: (0.5, False),
+    aten.pow.Tensor_Scalar: (2,),
 }
 _UNARY_POSITIVE = {
     aten.log.default: (), aten.sqrt.default: (), aten.rsqrt.default: (),
@@ -267,6 +268,10 @@ add(aten.log_softmax.int, "dim1", lambda g: call(g.f(6, 4, 5), 1))
 add(aten.log_softmax.int, "last", lambda g: call(g.f(12, 6), -1))
 add(aten.cumsum.default, "dim1", lambda g: call(g.f(6, 4, 5), 1))
 add(aten.cumsum.default, "dim0", lambda g: call(g.f(6, 12), 0))
+add(aten.topk.default, "dim1", lambda g: call(g.f(6, 4, 5), 2, 1))
+add(aten.topk.default, "last_smallest", lambda g: call(g.f(6, 12), 3, -1, False))
+add(aten.topk.default, "unsorted", lambda g: call(g.f(12, 5), 2, 1, True, False))
+add(aten.topk.default, "dim0", lambda g: call(g.f(6, 4), 4, 0))
 
 # ---------------------------------------------------------------------------------------------
 # Views, reshapes and data movement
@@ -354,6 +359,11 @@ add(aten.cat.default, "three_last", lambda g: call([g.f(6, 4, 5), g.f(6, 4, 1), 
 add(aten.stack.default, "dim0", lambda g: call([g.f(4, 6), g.f(4, 6)]))
 add(aten.stack.default, "dim1", lambda g: call([g.f(4, 6), g.f(4, 6), g.f(4, 6)], 1))
 add(aten.stack.default, "last", lambda g: call([g.f(6, 4), g.f(6, 4)], -1))
+add(aten.repeat_interleave.self_int, "dim0", lambda g: call(g.f(6, 4), 2, 0))
+add(aten.repeat_interleave.self_int, "dim1", lambda g: call(g.f(4, 6, 5), 3, 1))
+add(aten.repeat_interleave.self_int, "flat", lambda g: call(g.f(6, 4), 2))
+add(aten.repeat_interleave.self_int, "output_size", lambda g: call(g.f(6, 4), 2, 0,
+                                                                  output_size=12))
 
 # ---------------------------------------------------------------------------------------------
 # Matrix products
@@ -434,6 +444,60 @@ add(_SDPA, "3d", lambda g: call(g.f(6, 4, 8), g.f(6, 4, 8), g.f(6, 4, 8)))
 
 
 # ---------------------------------------------------------------------------------------------
+# Random ops: the generator is seeded alike before the whole op and before each rank, and each
+# rank's result must be the block of the whole op's, bit for bit.
+# ---------------------------------------------------------------------------------------------
+
+BF16 = torch.bfloat16
+_DROPOUT, _NATIVE_DROPOUT = aten.dropout.default, aten.native_dropout.default
+add(_DROPOUT, "train", lambda g: call(g.f(6, 4, 5), 0.5, True), exact=True)
+add(_DROPOUT, "train_12x5", lambda g: call(g.f(12, 5), 0.1, True), exact=True)
+add(_DROPOUT, "transposed", lambda g: call(g.f(5, 12).t(), 0.3, True), exact=True)
+add(_DROPOUT, "f32", lambda g: call(g.f(6, 4, 5, dtype=F32), 0.2, True), exact=True)
+add(_DROPOUT, "bf16", lambda g: call(g.f(6, 4, 5, dtype=BF16), 0.1, True), exact=True)
+add(_DROPOUT, "eval", lambda g: call(g.f(6, 4, 5), 0.5, False))
+add(_DROPOUT, "p0", lambda g: call(g.f(12, 5), 0.0, True))
+add(_NATIVE_DROPOUT, "train", lambda g: call(g.f(6, 4, 5), 0.3, True), exact=True)
+add(_NATIVE_DROPOUT, "train_none", lambda g: call(g.f(12, 5), 0.2, None), exact=True)
+add(_NATIVE_DROPOUT, "transposed", lambda g: call(g.f(5, 12).t(), 0.5, True), exact=True)
+add(_NATIVE_DROPOUT, "bf16", lambda g: call(g.f(6, 4, 5, dtype=BF16), 0.1, True), exact=True)
+add(_NATIVE_DROPOUT, "eval", lambda g: call(g.f(6, 4), 0.3, False))
+for _op in (aten.rand_like.default, aten.randn_like.default):
+    add(_op, "6x4x5", lambda g: call(g.f(6, 4, 5)), exact=True)
+    add(_op, "transposed", lambda g: call(g.f(5, 12).t()), exact=True)
+    add(_op, "f32", lambda g: call(g.f(12, 5), dtype=F32), exact=True)
+add(aten.randint_like.default, "float", lambda g: call(g.f(6, 4, 5), 10), (0,), True)
+add(aten.randint_like.low_dtype, "float", lambda g: call(g.f(12, 5), 2, 7), (0,), True)
+add(aten.randint_like.low_dtype, "int", lambda g: call(g.i(0, 5, 6, 4), -3, 9), exact=True)
+add(aten.bernoulli.p, "6x4x5", lambda g: call(g.f(6, 4, 5), 0.3), (0,), True)
+add(aten.bernoulli.p, "bf16", lambda g: call(g.f(12, 5, dtype=BF16), 0.7), (0,), True)
+
+add(_SDPA, "dropout", lambda g: call(g.f(2, 6, 4, 8), g.f(2, 6, 4, 8), g.f(2, 6, 4, 8), None,
+                                     0.1), exact=True)
+add(_SDPA, "dropout_causal", lambda g: call(g.f(2, 6, 6, 8), g.f(2, 6, 6, 8), g.f(2, 6, 6, 8),
+                                            None, 0.3, True), exact=True)
+add(_SDPA, "dropout_gqa_causal", lambda g: call(g.f(2, 6, 6, 8), g.f(2, 3, 6, 8),
+                                                g.f(2, 3, 6, 8), None, 0.2, True,
+                                                enable_gqa=True), exact=True)
+add(_SDPA, "dropout_bool_mask", lambda g: call(g.f(2, 6, 6, 8), g.f(2, 6, 5, 8),
+                                               g.f(2, 6, 5, 8), _keep_a_key(g.b(6, 5)), 0.5),
+    exact=True)
+add(_SDPA, "dropout_float_mask", lambda g: call(g.f(4, 6, 6, 8), g.f(4, 6, 6, 8),
+                                                g.f(4, 6, 6, 8), g.f(4, 1, 6, 6), 0.2,
+                                                scale=0.3), exact=True)
+add(_SDPA, "dropout_neg_scale", lambda g: call(g.f(2, 6, 4, 8), g.f(2, 6, 4, 8),
+                                               g.f(2, 6, 4, 8), None, 0.1, scale=-0.2),
+    exact=True)
+add(_SDPA, "dropout_f32", lambda g: call(g.f(2, 6, 6, 8, dtype=F32), g.f(2, 6, 6, 8, dtype=F32),
+                                         g.f(2, 6, 6, 8, dtype=F32), None, 0.1, True),
+    exact=True)
+add(_SDPA, "dropout_bf16", lambda g: call(g.f(2, 6, 6, 8, dtype=BF16),
+                                          g.f(2, 6, 6, 8, dtype=BF16),
+                                          g.f(2, 6, 6, 8, dtype=BF16), None, 0.1, True),
+    exact=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # Embedding and losses
 # ---------------------------------------------------------------------------------------------
 
@@ -446,6 +510,30 @@ add(aten.embedding.default, "padding_idx_high", lambda g: call(g.f(12, 6), _with
     g.i(0, 12, 4, 6), 9), 9))
 add(aten.embedding.default, "scale_grad_by_freq", lambda g: call(
     g.f(12, 6), _with_value(g.i(0, 12, 6, 4), 7), -1, True))
+
+# Lookups: one-hot rows, the expert weights each token chose, gathers along a dimension.
+add(aten.one_hot.default, "2d", lambda g: call(g.i(0, 5, 6, 4), 5))
+add(aten.one_hot.default, "1d", lambda g: call(g.i(0, 3, 12), 3))
+add(aten.one_hot.default, "inferred", lambda g: call(g.i(0, 5, 6, 4), -1))
+add(aten.index.Tensor, "rows", lambda g: call(g.f(5, 6), [g.i(0, 5, 4, 6)]), no_grad=(1,))
+add(aten.index.Tensor, "experts", lambda g: call(g.f(4, 6, 8), [g.i(0, 4, 6, 2)]),
+    no_grad=(1,))
+add(aten.index.Tensor, "middle", lambda g: call(g.f(4, 6, 5), [None, g.i(-6, 6, 12)]),
+    no_grad=(1,))
+add(aten.index.Tensor, "int32", lambda g: call(g.f(6, 4), [g.i(0, 6, 12).int()]),
+    no_grad=(1,))
+add(aten.index.Tensor, "two_tensors", lambda g: call(g.f(6, 4), [g.i(0, 6, 12),
+                                                                 g.i(0, 4, 12)]),
+    no_grad=(1, 2))
+add(aten.index.Tensor, "mask", lambda g: call(g.f(6, 4), [_keep_a_key(g.b(6, 4))]),
+    no_grad=(1,))
+add(aten.gather.default, "last", lambda g: call(g.f(6, 4, 5), 2, g.i(0, 5, 6, 4, 3)),
+    no_grad=(1,))
+add(aten.gather.default, "dim1", lambda g: call(g.f(6, 5), 1, g.i(0, 5, 6, 2)), no_grad=(1,))
+add(aten.gather.default, "dim0_fewer", lambda g: call(g.f(6, 4), 0, g.i(0, 6, 3, 4)),
+    no_grad=(1,))
+add(aten.gather.default, "smaller_index", lambda g: call(g.f(6, 4, 5), 2, g.i(0, 5, 6, 2, 3)),
+    no_grad=(1,))
 
 
 def _targets(g: Gen, n: int, classes: int, ignored=(1, 4), ignore_index: int = -100):

@@ -1,17 +1,22 @@
 """The cluster pass keeps the ILP small without changing what a plan costs."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.passes import strategies
 from autopar.passes.cluster import cluster, identity
 from autopar.passes.trace import trace
 from autopar.solver.cost import CostModel
-from autopar.solver.ilp import plan_time, solve
-from tests.models import TinyConfig, TinyTransformer, lm_loss
+from autopar.solver.diagnose import infeasible
+from autopar.solver.ilp import NoFeasiblePlan, plan_time, solve
+from autopar.zoo import lm_loss
+from tests.models import TinyConfig, TinyTransformer
 
 
 def _graph(model, x, y, loss, mesh):
@@ -57,3 +62,51 @@ def test_followers_do_not_change_the_optimum_here():
     merged = solve(graph, cost, clustering=cluster(graph, program.graph_module,
                                                    fold_layers=False))
     assert merged.objective <= free * 1.001
+
+
+class _CastWeight(nn.Module):
+    """A weight used through a cast (as torchtitan's experts use theirs in bf16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return x @ self.w.to(x.dtype).t()
+
+
+def test_uses_of_a_parameter_do_not_follow_its_storage():
+    """FSDP stores the weight sharded and gathers it for the cast: had the cast followed the
+    parameter, it would have had to run on the shard, and no FSDP plan would exist."""
+    model, x = _CastWeight(), torch.randn(4, 8)
+    program, graph = _graph(model, x, torch.randn(4, 8), F.mse_loss, (2,))
+    c = cluster(graph, program.graph_module)
+    param = next(v.name for v in graph.nodes.values() if v.kind == strategies.PARAM)
+    assert all(c.owner[n] == n for n, v in graph.nodes.items()
+               if any(u == param for u, _ in v.inputs))
+    plan = autopar.plan(model, autopar.MeshSpec((2,), hardware="cpu"), (x, torch.randn(4, 8)),
+                        loss_fn=F.mse_loss, force="fsdp")
+    assert plan.parameters["w"] == (Shard(0),)
+
+
+def test_infeasible_clustering_is_not_blamed_on_memory():
+    """A clustering that ties the cast to the parameter's storage, with FSDP's restrictions
+    (sharded storage, replicated use), leaves no plan; the error says memory is not why."""
+    model, x = _CastWeight(), torch.randn(4, 8)
+    program, graph = _graph(model, x, torch.randn(4, 8), F.mse_loss, (2,))
+    param = next(v for v in graph.nodes.values() if v.kind == strategies.PARAM)
+    cast = next(v for v in graph.nodes.values() if v.inputs and v.inputs[0][0] == param.name)
+    c = identity(graph)
+    c.owner[cast.name] = param.name  # the cast consumes the parameter as it is stored
+    c.index[cast.name] = [next(j for j, t in enumerate(cast.strategies) if t.inputs[0] == s.output)
+                          for s in param.strategies]
+    whole = (Replicate(),)
+    forced = {param.name: [k for k, s in enumerate(param.strategies) if s.output != whole],
+              cast.name: [j for j, t in enumerate(cast.strategies) if t.inputs[0] == whole]}
+    cost = CostModel(autopar.MeshSpec((2,), hardware="cpu"))
+    with pytest.raises(NoFeasiblePlan):
+        solve(graph, cost, memory_budget=2**30, forced=forced, clustering=c)
+    # The planner's diagnosis solves for the least memory without the clustering.
+    error = infeasible(graph, cost, 2**30, forced)
+    assert re.search("memory is not the reason.*autopar bug", str(error)), error
+    assert error.dominant is None  # so no gradient accumulation is tried for it

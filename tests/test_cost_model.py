@@ -9,15 +9,16 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.api import _trace
 from autopar.calibrate import fit_link
 from autopar.hardware import GB, HardwareProfile, Link
 from autopar.passes import strategies
+from autopar.passes.trace import trace_example
 from autopar.profile import OpProfiler
-from autopar.solver.cost import ALGO_FACTOR, CostModel, attention_flops, is_view
-from examples.gpt import CausalSelfAttention
+from autopar.solver.cost import ALGO_FACTOR, CostModel
+from autopar.solver.flops import attention_flops, backward_factor, is_view
+from autopar.zoo import GPT, CausalSelfAttention, GPTConfig, lm_loss
 from tests import cost_tasks
-from tests.models import GPT, MLP, GPTConfig, lm_loss
+from tests.models import MLP
 
 # -- hardware profiles -----------------------------------------------------------------------------
 
@@ -97,7 +98,7 @@ class _Bidirectional(CausalSelfAttention):
 
 def _training_flops(model, batch, seq, vocab, products_only=True) -> float:
     x = torch.randint(0, vocab, (batch, seq), device="meta")
-    graph = strategies.build(_trace(model, (x, x), lm_loss), (1,))
+    graph = strategies.build(trace_example(model, (x, x), lm_loss), (1,))
     cost = CostModel(autopar.MeshSpec((1,)), graph=graph)
     total = 0.0
     for v in graph.nodes.values():
@@ -136,7 +137,7 @@ def test_roofline_prices_backward_by_the_gradients_it_computes():
     torch.manual_seed(0)
     model = MLP([1024, 1024, 1024])
     x, y = torch.randn(4096, 1024), torch.randint(0, 1024, (4096,))
-    graph = strategies.build(_trace(model, (x, y), F.cross_entropy), (1,))
+    graph = strategies.build(trace_example(model, (x, y), F.cross_entropy), (1,))
     cost = CostModel(autopar.MeshSpec((1,), hardware="h100"), graph=graph)
     first, hidden = [v for v in graph.nodes.values() if v.op.startswith("linear")]
     flops = 2 * 4096 * 1024 * 1024
@@ -150,6 +151,47 @@ def test_roofline_prices_backward_by_the_gradients_it_computes():
     unbound = CostModel(autopar.MeshSpec((1,), hardware="h100"))  # no graph: assume both
     assert unbound.compute_times(first, first.strategies[0])[1] == pytest.approx(
         2 * roof + 2 * launch)
+
+
+class _Dropouts(torch.nn.Module):
+    """Dropout of an activation and attention with dropout, in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = F.dropout(self.fc(x), 0.1, training=True)
+        q = h.view(8, 16, 4, 16).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1).sum(1)
+
+
+def test_random_ops_draw_whole_and_keep_their_block():
+    """A random op draws its whole tensor on every rank whatever its strategy (the draw does not
+    shrink with sharding, and backward does not redraw); backward keeps the rank's block of the
+    mask. SDPA with dropout draws a mask of its (B, H, L, S) weights."""
+    from autopar.solver import memory as mem
+    from autopar.solver.flops import drawn_elements
+
+    x, y = torch.randn(8, 16, 64), torch.randn(8, 16, 16)
+    graph = strategies.build(trace_example(_Dropouts(), (x, y), F.mse_loss), (4,))
+    cost = CostModel(autopar.MeshSpec((4,), hardware="h100"), graph=graph)
+    dropout = next(v for v in graph.nodes.values() if v.op.startswith("dropout"))
+    sdpa = next(v for v in graph.nodes.values() if v.op.startswith("scaled_dot"))
+    assert drawn_elements(dropout) == 8 * 16 * 64 and drawn_elements(sdpa) == 8 * 4 * 16 * 16
+    for v in (dropout, sdpa):
+        draw = cost.draw_time(v)
+        assert draw == pytest.approx(max(drawn_elements(v) * 20 / 67e12,
+                                         drawn_elements(v) * 4 / 3.35e12))
+        for s in v.strategies:  # forward: the local op plus the whole draw; backward: no draw
+            fwd, bwd = cost.compute_times(v, s)
+            launch = autopar.H100.launch
+            assert bwd == pytest.approx(backward_factor(v) * (fwd - draw - launch) + launch)
+    whole, block = (next(s for s in dropout.strategies if all(type(p).__name__ == kind
+                                                              for p in s.output))
+                    for kind in ("Replicate", "Shard"))
+    assert mem.extra_saved_bytes(cost, dropout, whole) == 8 * 16 * 64  # a boolean mask
+    assert mem.extra_saved_bytes(cost, dropout, block) == 8 * 16 * 64 / 4
 
 
 # -- calibration -----------------------------------------------------------------------------------
@@ -169,13 +211,13 @@ def test_fit_link_recovers_alpha_and_beta():
 def test_probe_factors_are_recovered():
     """The two calibration factors (roofline, fixed per-op cost) come back from steps made with
     them, and neither goes below 1."""
-    from autopar.calibrate import _fit_factors
+    from autopar.calibrate import fit_factors
     parts = [(1e-4, 9e-4), (8e-3, 1e-3), (6e-2, 1e-3)]  # (roofline, fixed) seconds
     t = [1.3 * r + 2.0 * f for r, f in parts]
-    assert _fit_factors([(r / s, f / s) for (r, f), s in zip(parts, t)]) == \
+    assert fit_factors([(r / s, f / s) for (r, f), s in zip(parts, t)]) == \
         pytest.approx((1.3, 2.0))
     t = [0.5 * r + 3.0 * f for r, f in parts]  # faster arithmetic than the op figures say
-    a, b = _fit_factors([(r / s, f / s) for (r, f), s in zip(parts, t)])
+    a, b = fit_factors([(r / s, f / s) for (r, f), s in zip(parts, t)])
     assert a == 1.0 and b > 1.0
 
 
@@ -220,8 +262,10 @@ def test_profiler_measures_once_and_caches_on_disk(tmp_path):
     example = (torch.randn(8, 16), torch.randint(0, 8, (8,)))
     spec = autopar.MeshSpec((2,), hardware="cpu")
     profiler = OpProfiler("cpu", cache_dir=tmp_path, min_time=1e-4, samples=2)
+    generator = torch.get_rng_state()
     plan = autopar.plan(model, spec, example, loss_fn=F.cross_entropy, profile=profiler)
     assert profiler.measured_now > 0
+    assert torch.equal(torch.get_rng_state(), generator)  # timing drew nothing from it
     assert profiler.path.parent == tmp_path
     assert profiler.path.name.startswith("cpu-") and torch.__version__ in profiler.path.name
     saved = json.loads(profiler.path.read_text())
@@ -232,7 +276,7 @@ def test_profiler_measures_once_and_caches_on_disk(tmp_path):
     replan = autopar.plan(model, spec, example, loss_fn=F.cross_entropy, profile=again)
     assert again.measured_now == 0  # everything came from the cache
     assert replan.cost.step_time == plan.cost.step_time
-    graph = strategies.build(_trace(model, example, F.cross_entropy), spec.shape)
+    graph = strategies.build(trace_example(model, example, F.cross_entropy), spec.shape)
     cost = CostModel(spec, graph=graph)
     measured = again.measure(graph, cost)
     timed = cost.copy(measured=measured)
@@ -264,9 +308,10 @@ def test_plan_cost_is_split_and_printed():
     text = str(plan)
     assert "predicted step" in text and "forward" in text and "backward" in text
     assert "all_gather" in text and "gradient_sync" in text
-    assert "memory per device" in text and "of 1024.0 MiB budget" in text
+    memory = next(line for line in text.splitlines() if line.startswith("memory per device"))
+    assert "of 1024.0 MiB budget" in memory
     for kind in ("parameters", "gradients", "optimizer", "activations"):
-        assert kind in text.splitlines()[-1] or kind in text
+        assert f"{kind} {cost.memory[kind] / 2**20:.1f}" in memory, (kind, memory)
     assert autopar.Plan.from_dict(plan.to_dict()).cost == cost
 
 

@@ -1,6 +1,6 @@
 """The core property on real gloo process groups: loss, gradients of every parameter, parameters
-after 3 AdamW steps, and the inference output equal single-device training, for the solver's
-plan and for forced data-parallel, tensor-parallel, FSDP and 2-D plans."""
+and buffers after 3 AdamW steps, and the inference output equal single-device training, for the
+solver's plan and for forced data-parallel, tensor-parallel, FSDP and 2-D plans."""
 
 import pytest
 
@@ -65,6 +65,41 @@ def test_two_by_two(world4, model, force):
     _check_style(plan, force)
 
 
+@pytest.mark.parametrize("force", ONE_D, ids=lambda f: f or "solver")
+def test_lora_fine_tuning(world2, force):
+    """peft LoRA on a Llama: the frozen base weights stay as they were, the adapters train as
+    on one device."""
+    world2.run(rank_tasks.train_equivalence, "hf_llama_lora", (2,), force)
+
+
+MOE = ["moe_loop", "moe_grouped", "hf_mixtral", "hf_mixtral_grouped"]
+
+
+@pytest.mark.parametrize("force", ONE_D, ids=lambda f: f or "solver")
+@pytest.mark.parametrize("model", MOE)
+def test_mixture_of_experts_two_ranks(world2, model, force):
+    """Token-choice top-k experts (a loop with dense masking, a batched matmul over gathered
+    expert weights, Mixtral's batched_mm and grouped_mm), with a shared expert, the
+    load-balancing loss or a token-count buffer updated in place."""
+    plan = world2.run(rank_tasks.train_equivalence, model, (2,), force)[0]
+    _check_style(plan, force)
+
+
+@pytest.mark.parametrize("force", [None, {"dp": "fsdp", "tp": "tensor"}],
+                         ids=lambda f: str(f or "solver").replace(" ", ""))
+@pytest.mark.parametrize("model", MOE)
+def test_mixture_of_experts_two_by_two(world4, model, force):
+    plan = world4.run(rank_tasks.train_equivalence, model, (2, 2), force)[0]
+    _check_style(plan, force)
+
+
+@pytest.mark.parametrize("force", ONE_D, ids=lambda f: f or "solver")
+def test_no_grad_region_two_ranks(world2, force):
+    """A gate computed under torch.no_grad() in forward passes no gradient back, and its
+    weights get none (so AdamW leaves them alone), as on one device."""
+    world2.run(rank_tasks.train_equivalence, "no_grad_region", (2,), force)
+
+
 def test_tensor_parallel_uses_megatron_pairs(world2):
     """Forced tensor parallel on the GPT shards the MLP's first weight by rows (column parallel)
     and its second by columns (row parallel)."""
@@ -78,3 +113,25 @@ def test_tensor_parallel_uses_megatron_pairs(world2):
 def test_gradient_accumulation(world4, force):
     """step() twice without zero_grad: gradients accumulate exactly as single-device."""
     world4.run(rank_tasks.accumulation_equivalence, "gpt", (2, 2), force)
+
+
+@pytest.mark.parametrize("force", ONE_D, ids=lambda f: f or "solver")
+def test_dropout_two_ranks(world2, force):
+    """GPT-2 with embedding, residual and attention dropout: every rank draws its block of the
+    single-device masks, whatever the plan."""
+    plan = world2.run(rank_tasks.dropout_equivalence, "hf_gpt2_dropout", (2,), force)[0]
+    _check_style(plan, force)
+
+
+@pytest.mark.parametrize("force", ONE_D, ids=lambda f: f or "solver")
+def test_random_ops_two_ranks(world2, force):
+    """Noise from rand_like, randn_like and bernoulli, and dropout, in an MLP: drawn as on one
+    device."""
+    world2.run(rank_tasks.dropout_equivalence, "noisy", (2,), force)
+
+
+def test_dropout_two_by_two(world4):
+    """The same on a 2-D mesh, data parallel by tensor parallel: masks are sliced on both."""
+    force = {"dp": "data", "tp": "tensor"}
+    plan = world4.run(rank_tasks.dropout_equivalence, "hf_gpt2_dropout", (2, 2), force)[0]
+    _check_style(plan, force)

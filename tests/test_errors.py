@@ -1,10 +1,12 @@
 """Bad input gets a clear error (or a correct fallback), never a hang or a wrong answer."""
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import autopar
 from autopar.passes.trace import TraceError
@@ -106,3 +108,192 @@ def test_unknown_style_and_dimension():
     with pytest.raises(ValueError, match="mesh dimension 'tp'"):
         autopar.plan(model, spec, example, loss_fn=nn.functional.cross_entropy,
                      force={"tp": "tensor"})
+
+
+# -- the mesh and force= ---------------------------------------------------------------------
+
+def _mlp_example():
+    return MLP([8, 8]), (torch.randn(4, 8), torch.randint(0, 8, (4,)))
+
+
+def test_repeated_mesh_dimension_names():
+    with pytest.raises(ValueError, match="name 'dp' is used for more than one dimension"):
+        autopar.MeshSpec((2, 2), names=("dp", "dp"))
+    # A DeviceMesh that reached MeshSpec with repeated names (init_device_mesh refuses them,
+    # the DeviceMesh constructor does not): only the attributes from_device_mesh reads.
+    mesh = SimpleNamespace(device_type="cpu", shape=(2, 2), ndim=2, mesh_dim_names=("dp", "dp"))
+    with pytest.raises(ValueError, match="name 'dp' is used for more than one dimension"):
+        autopar.MeshSpec.from_device_mesh(mesh)
+
+
+def test_mesh_names_count_must_match_dimensions():
+    with pytest.raises(ValueError, match=r"3 mesh dimension names .* for a 2-D mesh"):
+        autopar.MeshSpec((2, 2), names=("dp", "tp", "pp"))
+    with pytest.raises(ValueError, match=r"1 mesh dimension names \('dp',\) for a 2-D mesh"):
+        autopar.MeshSpec((2, 2), names="dp")  # one string is one name, not two letters
+
+
+@pytest.mark.parametrize("shape,names", [((2,), ("dp",)), ((2, 2), ("dp", "tp"))])
+@pytest.mark.parametrize("key", [5, -1, 2.0])
+def test_force_dimension_index_out_of_range(shape, names, key):
+    model, example = _mlp_example()
+    spec = autopar.MeshSpec(shape, names=names, hardware="cpu")
+    with pytest.raises(ValueError) as info:
+        autopar.plan(model, spec, example, loss_fn=F.cross_entropy, force={key: "data"})
+    msg = str(info.value)
+    assert f"index {key!r}" in msg and "0 ('dp', size 2)" in msg
+    if len(shape) == 2:
+        assert "1 ('tp', size 2)" in msg
+
+
+def test_force_names_a_dimension_twice():
+    model, example = _mlp_example()
+    spec = autopar.MeshSpec((2, 2), names=("dp", "tp"), hardware="cpu")
+    with pytest.raises(ValueError, match=r"dimension 1 \('tp'\) twice, as 'tp' and as 1"):
+        autopar.plan(model, spec, example, loss_fn=F.cross_entropy,
+                     force={"tp": "tensor", 1: "data"})
+
+
+def test_force_on_a_pipelined_mesh_keys_the_whole_mesh():
+    """Indices count the whole mesh's dimensions, "pp" included, which takes no style."""
+    model, example = _mlp_example()
+    spec = autopar.MeshSpec((2, 2), names=("pp", "dp"), hardware="cpu")
+    with pytest.raises(ValueError, match="pipeline dimension 0 \\('pp'\\)"):
+        autopar.plan(model, spec, example, loss_fn=F.cross_entropy, force={0: "data"})
+
+
+# -- the loss --------------------------------------------------------------------------------
+
+def test_loss_that_is_not_a_scalar():
+    """reduction="none" would leave every rank with its own piece of the loss."""
+    model, example = _mlp_example()
+    with pytest.raises(TraceError) as info:
+        autopar.plan(model, autopar.MeshSpec((2,), hardware="cpu"), example,
+                     loss_fn=lambda out, y: F.cross_entropy(out, y, reduction="none"))
+    msg = str(info.value)
+    assert "shape (4,)" in msg and "not a scalar" in msg and "test_errors.py" in msg
+    assert "mean or sum" in msg
+
+
+def test_loss_that_returns_a_tuple():
+    model, example = _mlp_example()
+    with pytest.raises(TraceError) as info:
+        autopar.plan(model, autopar.MeshSpec((2,), hardware="cpu"), example,
+                     loss_fn=lambda out, y: (F.cross_entropy(out, y), out.abs().mean()))
+    msg = str(info.value)
+    assert "tuple of 2 values" in msg and "one scalar tensor" in msg
+
+
+# -- autocast regions in forward ---------------------------------------------------------------
+
+class _Autocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+            return self.fc(x).float()
+
+
+def test_autocast_region_in_forward_is_refused():
+    """Inlined, its ops would run without its casts (in float32, silently)."""
+    with pytest.raises(TraceError, match=r"torch.autocast \(device cpu, dtype torch.bfloat16\)"
+                       r".*test_errors.py.*Cast explicitly"):
+        autopar.plan(_Autocast(), autopar.MeshSpec((2,), hardware="cpu"),
+                     (torch.randn(4, 8), torch.randn(4, 8)), loss_fn=F.mse_loss)
+
+
+# -- data-dependent shapes: mixture of experts -----------------------------------------------
+
+class _TokenChoiceMoE(nn.Module):
+    """Top-k token-choice routing as torchtitan and Hugging Face Mixtral write it: tokens
+    sorted by expert and split by the routed counts ("split"), or gathered per expert with
+    torch.where ("where") or a boolean mask ("mask")."""
+
+    def __init__(self, routing: str, dim=8, experts=4, top_k=2):
+        super().__init__()
+        self.routing, self.top_k = routing, top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList([nn.Linear(dim, dim) for _ in range(experts)])
+
+    def forward(self, x):
+        B, T, D = x.shape
+        x = x.reshape(B * T, D)
+        weights, chosen = self.router(x).softmax(-1).topk(self.top_k, dim=-1)
+        y = torch.zeros_like(x)
+        if self.routing == "split":
+            order = chosen.reshape(-1).argsort()
+            counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts))
+            routed = x.repeat_interleave(self.top_k, dim=0)[order]
+            pieces = torch.split(routed, counts.tolist())  # split sizes from the router
+            out = torch.cat([e(p) for e, p in zip(self.experts, pieces)])
+            y = y.index_add(0, order // self.top_k, out * weights.reshape(-1, 1)[order])
+        elif self.routing == "where":
+            for e, expert in enumerate(self.experts):
+                token, slot = torch.where(chosen == e)  # the tokens routed to expert e
+                y = y.index_add(0, token, expert(x[token]) * weights[token, slot, None])
+        else:
+            for e, expert in enumerate(self.experts):
+                mask = (chosen == e).any(-1)
+                y[mask] = y[mask] + expert(x[mask])  # boolean-mask indexing
+        return y.reshape(B, T, D)
+
+
+@pytest.mark.parametrize("routing,line", [
+    ("split", "torch.split(routed, counts.tolist())"),
+    ("where", "token, slot = torch.where(chosen == e)"),
+    ("mask", "y[mask] = y[mask] + expert(x[mask])"),
+])
+def test_data_dependent_routing_names_the_line(routing, line):
+    with pytest.raises(TraceError) as info:
+        autopar.plan(_TokenChoiceMoE(routing), autopar.MeshSpec((2,), hardware="cpu"),
+                     (torch.randn(2, 4, 8), torch.randn(2, 4, 8)), loss_fn=F.mse_loss)
+    msg = str(info.value)
+    assert "data-dependent shape" in msg and "needs static shapes" in msg
+    assert "test_errors.py" in msg and line in msg, msg
+    assert "fixed capacity" in msg and "weight the outputs by the router" in msg
+
+
+# -- Python side effects in forward ------------------------------------------------------------
+
+class _Counting(nn.Module):
+    """A layer that keeps Python state in forward: a counter and a history list."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+        self._seen = []
+
+    def forward(self, x):
+        self.calls += 1
+        self._seen.append(x.shape[0])
+        return self.fc(x)
+
+
+def test_forward_that_changes_python_state():
+    model = nn.Sequential(nn.Linear(8, 8), _Counting())
+    with pytest.raises(TraceError) as info:
+        autopar.plan(model, autopar.MeshSpec((2,), hardware="cpu"), (torch.randn(4, 8),))
+    msg = str(info.value)
+    assert "model.1.calls changed from 0 to 1" in msg
+    assert "model.1._seen was modified in place (a list of 0 items before, 1 item after)" in msg
+    assert "does not repeat Python side effects" in msg and "out of forward" in msg
+
+
+def test_forward_that_sets_a_cache_attribute():
+    class Caching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            self.last_input = x
+            return self.fc(x)
+
+    model, example = MLP([8, 8]), (torch.randn(4, 8), torch.randint(0, 8, (4,)))
+    model.net.append(Caching())
+    with pytest.raises(TraceError, match=r"model\.net\.1\.last_input was set to a tensor"):
+        autopar.plan(model, autopar.MeshSpec((2,), hardware="cpu"), example,
+                     loss_fn=F.cross_entropy)

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from tests.models import GPT, MLP, GPTConfig, ResidualMLP, hf_gpt2, hf_llama, lm_loss
+from autopar.zoo import GPT, GPTConfig, hf_gpt2, hf_llama, lm_loss
+from tests.models import MLP, ResidualMLP
 
 B, T, V = 2, 16, 128
 

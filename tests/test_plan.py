@@ -7,7 +7,8 @@ import torch
 
 import autopar
 from autopar.passes.placement import fmt
-from tests.models import GPT, GPTConfig, hf_llama, lm_loss
+from autopar.passes.trace import trace
+from autopar.zoo import GPT, GPTConfig, hf_llama, lm_loss
 
 
 def gpt_plan(shape=(2, 2), hardware="cpu", **kwargs):
@@ -65,6 +66,34 @@ def test_meta_device_model_can_be_planned():
     x = torch.randint(0, 64, (4, 16), device="meta")
     plan = autopar.plan(model, autopar.MeshSpec((8,), hardware="h100"), (x, x), loss_fn=lm_loss)
     assert plan.cost.step_time > 0
+
+
+class _AsksItsDevice(torch.nn.Module):
+    """Code that branches on its tensors' device, as torchtitan's router (an autocast region)
+    and Hugging Face's grouped experts (histc of floats on cpu, of ints elsewhere) do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            h = self.fc(x)
+        counts = torch.histc(h.float() if h.device.type == "cpu" else h.int(), bins=4)
+        return h + counts.sum()
+
+
+@pytest.mark.parametrize("on_meta", [False, True])
+def test_model_code_sees_the_device_it_runs_on(on_meta):
+    """Traced without storage, the model still sees its tensors on cpu (a meta model: cpu,
+    where an unplaced model runs by default), so it takes the branch it takes there."""
+    with torch.device("meta" if on_meta else "cpu"):
+        model = _AsksItsDevice()
+    program = trace(model, (torch.randn(4, 8),))
+    (histc,) = [n for n in program.graph_module.graph.nodes
+                if n.target is torch.ops.aten.histc.default]
+    assert histc.args[0].meta["val"].dtype == torch.float32
+    assert autopar.plan(model, autopar.MeshSpec((2,), hardware="cpu"), (torch.randn(4, 8),))
 
 
 def test_llama_on_a_large_simulated_mesh():

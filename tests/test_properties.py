@@ -1,7 +1,9 @@
 """Property-based equivalence: any model from the families, any mesh, any valid plan.
 
 Hypothesis draws a model (MLP stacks, residual MLPs with LayerNorm/RMSNorm, small transformers
-with grouped-query attention and tied or untied heads; odd sizes included), a mesh, and a random
+with grouped-query attention and tied or untied heads, the same with mixture-of-experts MLPs of
+any expert count and top-k, with or without a shared expert, experts looped or batched, a
+load-balancing loss or an in-place token-count buffer; odd sizes included), a mesh, and a random
 valid plan (a strategy drawn for every node, including ones the solver would never choose).
 The rewritten program on real gloo ranks must match the single-device model: loss, gradients,
 parameters after 2 AdamW steps and the forward output. On failure hypothesis shrinks to a small
@@ -12,7 +14,7 @@ CI runs the derandomized "ci" profile; `--hypothesis-profile=soak` runs many mor
 
 import math
 
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 import autopar
@@ -25,7 +27,7 @@ ACT = st.sampled_from(["gelu", "relu", "silu", "tanh"])
 @st.composite
 def model_specs(draw):
     """(family, config) for rank_tasks.build."""
-    kind = draw(st.sampled_from(["mlp", "residual", "tiny"]))
+    kind = draw(st.sampled_from(["mlp", "residual", "tiny", "moe"]))
     if kind == "mlp":
         depth = draw(st.integers(1, 3))
         widths = draw(st.lists(st.sampled_from([2, 3, 4, 5, 6, 8]), min_size=depth + 1,
@@ -42,11 +44,17 @@ def model_specs(draw):
     # head_dim 3 or 4, so hidden >= 3: LayerNorm over 2 features always outputs (-1, 1), its
     # true gradient is float noise, and AdamW would divide that noise by noise.
     head_dim = draw(st.sampled_from([3, 4]))
-    return kind, {"vocab": draw(st.integers(5, 16)), "hidden": heads * head_dim,
-                  "heads": heads, "kv_heads": kv_heads, "depth": draw(st.integers(1, 2)),
-                  "seq": draw(st.integers(2, 6)), "tied": draw(st.booleans()),
-                  "norm": draw(st.sampled_from(["layernorm", "rmsnorm"])),
-                  "batch": draw(st.integers(1, 4))}
+    cfg = {"vocab": draw(st.integers(5, 16)), "hidden": heads * head_dim,
+           "heads": heads, "kv_heads": kv_heads, "depth": draw(st.integers(1, 2)),
+           "seq": draw(st.integers(2, 6)), "tied": draw(st.booleans()),
+           "norm": draw(st.sampled_from(["layernorm", "rmsnorm"])),
+           "batch": draw(st.integers(1, 4))}
+    if kind == "moe":
+        experts = draw(st.integers(2, 5))
+        cfg.update(experts=experts, top_k=draw(st.integers(1, experts)),
+                   ffn=draw(st.sampled_from([2, 3, 4, 6])), shared_expert=draw(st.booleans()),
+                   grouped=draw(st.booleans()), balance=draw(st.sampled_from(["loss", "count"])))
+    return kind, cfg
 
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -57,5 +65,6 @@ def test_random_plan_matches_single_device(world2, world4, spec, mesh, seed):
     spec_mesh = autopar.MeshSpec(mesh, names=rank_tasks.mesh_names(mesh), hardware="cpu")
     plan = autopar.plan(model, spec_mesh, example, loss_fn=loss_fn, solver="random", seed=seed)
     note(f"model {spec}\nmesh {mesh}\n{plan}")
+    event(f"family {spec[0]}")  # --hypothesis-show-statistics: how often each family ran
     world = world2 if math.prod(mesh) == 2 else world4
     world.run(rank_tasks.train_equivalence, spec, mesh, None, 2, plan.to_dict())

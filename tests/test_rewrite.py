@@ -4,7 +4,6 @@ collectives in autograd-graph order, so programs of different shape could deadlo
 
 import itertools
 import math
-import operator
 import random
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 import autopar
 from autopar.passes import strategies
+from autopar.passes.emitted import META_KEY, Emitted, emitted
 from autopar.passes.rewrite import rewrite
 from autopar.passes.trace import trace
 from autopar.solver.cost import CostModel
@@ -65,7 +65,7 @@ def test_fsdp_gathers_are_prefetched_in_buckets(monkeypatch):
     model, loss_fn, (x, y) = rank_tasks.build("gpt")
     program = trace(model, (x,), loss_fn, y)
     plan, graph = solve_plan(program, autopar.MeshSpec((2,), names=("dp",), hardware="cpu"),
-                             force="fsdp")
+                             autopar.PlanOptions(force="fsdp"))
     choice = choice_from_plan(plan, graph)
 
     class Named(RecordingComm):
@@ -77,22 +77,124 @@ def test_fsdp_gathers_are_prefetched_in_buckets(monkeypatch):
 
     train = rewrite(program, graph, choice, (0,), Named()).train.graph
     nodes = list(train.nodes)
-    starts = [i for i, n in enumerate(nodes) if getattr(n.target, "__name__", "") ==
-              "all_gather_start"]
-    waits = [n for n in nodes if getattr(n.target, "__name__", "") == "all_gather_many"]
+    role = {n: emitted(n).role for n in nodes if n.op != "output"}
+    starts = [i for i, n in enumerate(nodes) if role.get(n) == "gather_start"]
+    waits = [n for n in nodes if role.get(n) == "gather_wait"]
     assert len(starts) == len(waits) > 1
-    first_op = min(i for i, n in enumerate(nodes) if n.op == "call_function"
-                   and not isinstance(getattr(n.target, "__self__", None), Named))
+    assert all(nodes[i].target.__name__ == "all_gather_start" for i in starts)
+    first_op = min(i for i, n in enumerate(nodes) if role.get(n) == "op")
     assert max(starts) < first_op  # every gather is in flight before any compute
     for w in waits:
         started = w.args[3]
-        assert started.op == "call_function" and started.args[0] == w.args[0]
+        assert role[started] == "gather_start" and started.args[0] == w.args[0]
         gathered = sum(math.prod(graph.nodes[p.name].out_shapes[0]) * 4 for p in w.args[0])
         assert len(w.args[0]) == 1 or gathered <= 16 * 1024
         # waited for right before the first use of one of its parameters
         users = [u for item in w.users for u in item.users]
+        assert all(role[item] == "gathered" for item in w.users)
         assert users and nodes.index(w) < min(nodes.index(u) for u in users)
         between = nodes[nodes.index(w) + 1:min(nodes.index(u) for u in users)]
         # (only the unpacking of gathered values and the consumer's other inputs' resharding)
-        assert all(n.target in (operator.getitem, rewrite_mod._slice)
-                   or isinstance(getattr(n.target, "__self__", None), Named) for n in between)
+        assert all(role[n] in ("gathered", "getitem", "collective", "slice", "gather_wait")
+                   for n in between)
+
+class ShapeComm:
+    """Collectives of a mesh whose other ranks hold copies of this rank's values: the shapes
+    and dtypes are those of the real collectives (the values are not)."""
+
+    def __init__(self, mesh_shape):
+        self.n = mesh_shape
+
+    def all_gather(self, x, dim, mesh_dim):
+        return torch.cat([x] * self.n[mesh_dim], dim)
+
+    def reduce_scatter(self, x, dim, mesh_dim):
+        return x.narrow(dim, 0, x.shape[dim] // self.n[mesh_dim]).clone()
+
+    def all_reduce(self, x, mesh_dim):
+        return x.clone()
+
+    def all_to_all(self, x, split_dim, cat_dim, mesh_dim):
+        n = self.n[mesh_dim]
+        return torch.cat([x.narrow(split_dim, 0, x.shape[split_dim] // n)] * n, cat_dim)
+
+    def all_gather_start(self, xs, dims, mesh_dim):
+        return "started"
+
+    def all_gather_many(self, xs, dims, mesh_dim, started=None):
+        assert started == "started"
+        return tuple(self.all_gather(x, d, mesh_dim) for x, d in zip(xs, dims))
+
+
+def _run_checking_records(gm: torch.fx.GraphModule) -> None:
+    """Run `gm` on zeros of the shapes its placeholders' records give, and check that every
+    node's value has the shape and dtype its record says."""
+
+    class Checking(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.op == "output":
+                return out
+            rec = emitted(n)
+            if rec.shape is None:
+                assert not isinstance(out, torch.Tensor), f"{n.name}: {rec}"
+            else:
+                assert (tuple(out.shape), out.dtype) == (rec.shape, rec.dtype), \
+                    f"{n.name} holds {tuple(out.shape)} {out.dtype}, its record says {rec}"
+            return out
+
+    args = [torch.zeros(emitted(n).shape, dtype=emitted(n).dtype)
+            for n in gm.graph.nodes if n.op == "placeholder"]
+    Checking(gm).run(*args)
+
+
+@pytest.mark.parametrize("name,mesh", [("gpt", (2, 2)), ("hf_llama", (2,)), ("mlp", (2, 2))])
+def test_every_emitted_node_records_what_it_is(name, mesh):
+    """Every node of both programs carries an Emitted record whose local shape and dtype are
+    those the node computes (run with collectives of the right shapes), whose collective is the
+    one called, on the mesh dimension called; the training program's collectives are the
+    plan's forward collectives, kind and mesh dimension."""
+    from autopar.planner import describe
+
+    model, loss_fn, (x, y) = rank_tasks.build(name)
+    program = trace(model, (x,), loss_fn, y)
+    graph = strategies.build(program, mesh)
+    spec = autopar.MeshSpec(mesh, hardware="cpu")
+    cost = CostModel(spec)
+    choices = [{n: graph.nodes[n].strategies[i] for n, i in
+                random_choice(graph, cost, random.Random(seed)).items()} for seed in range(3)]
+    fsdp, _ = _fsdp_plan(program, mesh)
+    roles = set()
+    for choice in [*choices, fsdp]:
+        plan = describe(program, graph, spec, cost.copy(graph=graph), choice)
+        comm = ShapeComm(mesh)
+        programs = rewrite(program, graph, choice, (1,) * len(mesh), comm)
+        for gm in (programs.train, programs.infer):
+            for n in gm.graph.nodes:
+                if n.op == "output":
+                    continue
+                rec = n.meta.get(META_KEY)
+                assert isinstance(rec, Emitted), f"{n.name} ({n.target}) has no record"
+                roles.add(rec.role)
+                assert rec.origin is None or rec.origin in graph.nodes or \
+                    rec.role == "placeholder"
+                if rec.role in ("collective", "gather_wait", "gather_start"):
+                    called = n.target.__name__
+                    assert called.startswith(rec.collective), (called, rec)
+                    assert n.args[2 if rec.role != "collective" else -1] == rec.mesh_dim
+            _run_checking_records(gm)
+        ran = {(emitted(n).collective, emitted(n).mesh_dim) for n in programs.train.graph.nodes
+               if n.op != "output" and emitted(n).role in ("collective", "gather_wait")}
+        planned = {(c.kind, c.mesh_dim) for c in plan.collectives if c.phase == "forward"}
+        assert ran == planned
+    assert {"placeholder", "op", "collective", "gather_start", "gather_wait",
+            "gathered"} <= roles
+
+
+def _fsdp_plan(program, mesh):
+    from autopar.planner import choice_from_plan, solve_plan
+
+    names = ("dp", "tp")[:len(mesh)]
+    plan, graph = solve_plan(program, autopar.MeshSpec(mesh, names=names, hardware="cpu"),
+                             autopar.PlanOptions(force="fsdp"))
+    return choice_from_plan(plan, graph), plan

@@ -8,7 +8,9 @@ forward   inputs are cut per their placement (Shard: the rank's contiguous chunk
           whole tensor, Partial: n random summands), the op runs per rank (through its lowering
           when one is registered), and the outputs are joined per the output placement (Shard:
           concatenated, Partial: summed, Replicate: every rank must agree) and compared with the
-          op on the whole inputs;
+          op on the whole inputs; the default generator is seeded alike before the whole op and
+          before each rank, so a random op must draw on each rank the block of the whole op's
+          draw (its samples are compared bit for bit);
 backward  a random output gradient G is handed out per the dual of the output placement
           (Shard: the chunk, Replicate: shares summing to G, Partial: G on every rank), each rank
           backpropagates through its own local computation, and the input gradients are joined
@@ -25,11 +27,11 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.utils import _pytree as pytree
 
 from autopar.passes.placement import divisible, fmt, local_shape, local_slices
 from autopar.passes.rules import LOWERINGS, RULES, LocalContext, OpCall, Rule1D, TensorArg
-from autopar.passes.strategies import _ints_not_partial
+from autopar.passes.strategies import ints_not_partial
+from autopar.passes.torch_compat import tree_leaves, tree_map
 from tests.rule_samples import SAMPLES, Gen, Sample
 
 MESH_SIZES = (2, 3)
@@ -54,14 +56,14 @@ def make_call(sample: Sample, args: tuple, kwargs: dict, out) -> OpCall:
     def to_arg(a):
         nonlocal n
         if isinstance(a, torch.Tensor):
-            t = TensorArg(n, tuple(a.shape), a.dtype)
+            t = TensorArg(n, tuple(a.shape), a.dtype, a.stride())
             n += 1
             return t
         return a
 
-    cargs = pytree.tree_map(to_arg, args)
-    ckwargs = pytree.tree_map(to_arg, dict(kwargs))
-    inputs = [a for a in pytree.tree_leaves((cargs, ckwargs)) if isinstance(a, TensorArg)]
+    cargs = tree_map(to_arg, args)
+    ckwargs = tree_map(to_arg, dict(kwargs))
+    inputs = [a for a in tree_leaves((cargs, ckwargs)) if isinstance(a, TensorArg)]
     assert [t.index for t in inputs] == list(range(len(inputs)))
     outs = _outputs(out)
     return OpCall(sample.op_name, sample.op, cargs, ckwargs, inputs,
@@ -83,7 +85,7 @@ def _out_placements(rule: Rule1D, call: OpCall) -> list:
 
 def usable(rule: Rule1D, call: OpCall, n: int) -> bool:
     """The planner's filters for one mesh dimension of size n."""
-    if not _ints_not_partial(rule, call):
+    if not ints_not_partial(rule, call):
         return False
     if not all(divisible(t.shape, (p,), (n,)) for t, p in zip(call.inputs, rule.inputs)):
         return False
@@ -170,17 +172,24 @@ def scatter(x: torch.Tensor, p, n: int, gen: torch.Generator) -> list[torch.Tens
     raise AssertionError(f"unknown placement {p}")
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, msg: str, precise: bool = True) -> None:
-    """Tight tolerances when everything was computed in float64, the dtype's defaults otherwise."""
-    if precise and a.dtype == torch.float64:
+def _close(a: torch.Tensor, b: torch.Tensor, msg: str, precise: bool = True,
+           exact: bool = False) -> None:
+    """Bit for bit when `exact`; tight tolerances when everything was computed in float64, the
+    dtype's precision otherwise."""
+    if exact:
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m: f"{msg}\n{m}")
+    elif precise and a.dtype == torch.float64:
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9, msg=lambda m: f"{msg}\n{m}")
+    elif a.dtype in (torch.bfloat16, torch.float16):  # per-rank shares of ~1 summed: ulps of 1
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=3e-2, msg=lambda m: f"{msg}\n{m}")
     elif a.is_floating_point():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{msg}\n{m}")
     else:
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{msg}\n{m}")
 
 
-def join(parts: list[torch.Tensor], p, what: str) -> torch.Tensor:
+def join(parts: list[torch.Tensor], p, what: str, exact: bool = False) -> torch.Tensor:
     """The global value of per-rank values held under placement p."""
     if isinstance(p, Shard):
         return torch.cat(parts, p.dim)
@@ -191,7 +200,8 @@ def join(parts: list[torch.Tensor], p, what: str) -> torch.Tensor:
             total = total + q
         return total
     for r, q in enumerate(parts[1:], 1):
-        _close(q, parts[0], f"{what}: Replicate, but rank {r} differs from rank 0")
+        _close(q, parts[0], f"{what}: Replicate, but rank {r} differs from rank 0",
+               exact=exact)
     return parts[0]
 
 
@@ -228,8 +238,8 @@ def _local_run(call: OpCall, locals_: list[torch.Tensor], rule: Rule1D, n: int, 
     def put(a):
         return locals_[a.index] if isinstance(a, TensorArg) else a
 
-    args = pytree.tree_map(put, call.args)
-    kwargs = pytree.tree_map(put, call.kwargs)
+    args = tree_map(put, call.args)
+    kwargs = tree_map(put, call.kwargs)
     outs_p = _out_placements(rule, call)
     ctx = LocalContext(
         (n,), (r,), tuple((p,) for p in rule.inputs),
@@ -244,15 +254,17 @@ def check(case: Case) -> None:
     sample, n, rule = case.sample, case.n, case.rule
     args, kwargs, _, call = built(sample)
     gen = torch.Generator().manual_seed(_seed(case.id))
-    flat = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    flat = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     grad_idx = _grad_inputs(sample, flat)
     outs_p = _out_placements(rule, call)
 
-    # The whole op.
+    # The whole op (random ops draw from the default generator, seeded alike for every rank).
+    seed = _seed(case.id + "/draw")
     g_in = [t.detach().clone().requires_grad_(i in grad_idx) for i, t in enumerate(flat)]
     it = iter(g_in)
-    g_args, g_kwargs = pytree.tree_map(
+    g_args, g_kwargs = tree_map(
         lambda a: next(it) if isinstance(a, torch.Tensor) else a, (args, kwargs))
+    torch.manual_seed(seed)
     g_outs = _outputs(sample.op(*g_args, **g_kwargs))
     # float64 throughout: tight tolerances; any float32 step: that dtype's tolerances
     precise = all(t.dtype == torch.float64 for t in (*flat, *g_outs) if t.is_floating_point())
@@ -261,7 +273,10 @@ def check(case: Case) -> None:
     per_input = [scatter(t, p, n, gen) for t, p in zip(flat, rule.inputs)]
     l_in = [[per_input[i][r].detach().requires_grad_(i in grad_idx) for i in range(len(flat))]
             for r in range(n)]
-    l_outs = [_local_run(call, l_in[r], rule, n, r) for r in range(n)]
+    l_outs = []
+    for r in range(n):
+        torch.manual_seed(seed)
+        l_outs.append(_local_run(call, l_in[r], rule, n, r))
 
     for k, (go, p) in enumerate(zip(g_outs, outs_p)):
         parts = [l_outs[r][k] for r in range(n)]
@@ -271,10 +286,10 @@ def check(case: Case) -> None:
                 assert tuple(q.shape) == want, (
                     f"{case.id}: output {k} on rank {r} has shape {tuple(q.shape)}, "
                     f"expected {want}")
-        got = join(parts, p, f"{case.id}: output {k}")
+        got = join(parts, p, f"{case.id}: output {k}", sample.exact)
         assert got.dtype == go.dtype, f"{case.id}: output {k} dtype {got.dtype} != {go.dtype}"
         _close(got, go.detach(), f"{case.id}: forward output {k} (placement {fmt((p,))})",
-               precise)
+               precise, sample.exact)
 
     # Backward.
     diff = [k for k, o in enumerate(g_outs) if o.dtype.is_floating_point and o.requires_grad]
@@ -294,11 +309,15 @@ def check(case: Case) -> None:
                                     allow_unused=True) if outs else [None] * len(leaves)
         for j, (gr, leaf) in enumerate(zip(grads, leaves)):
             got_parts[j].append(torch.zeros_like(leaf) if gr is None else gr)
+    # Gradients are exact too where nothing is summed across ranks: every placement Shard (a
+    # replicated value's gradient is a sum of per-rank shares, which rounds).
+    exact = sample.exact and all(isinstance(p, Shard) for p in (*rule.inputs, *outs_p))
     for j, i in enumerate(grad_idx):
         w = want[j] if want[j] is not None else torch.zeros_like(g_in[i])
         p = rule.inputs[i]
         got = join_grad(got_parts[j], p, f"{case.id}: gradient of input {i}")
-        _close(got, w, f"{case.id}: gradient of input {i} (placement {fmt((p,))})", precise)
+        _close(got, w, f"{case.id}: gradient of input {i} (placement {fmt((p,))})", precise,
+               exact)
 
 
 # torch's own mse_loss backward warns for a broadcast target (the all-replicate case).

@@ -9,7 +9,7 @@ import autopar
 from autopar.passes import strategies
 from autopar.passes.trace import trace
 from autopar.solver.cost import CostModel
-from autopar.solver.ilp import plan_time, solve
+from autopar.solver.ilp import INFEASIBLE, greedy, plan_time, solve
 
 
 def two_layer_mlp(batch: int, hidden: int):
@@ -56,7 +56,7 @@ def test_alpa_megatron_at_large_hidden(hardware):
 
 
 def _gpt_graph(mesh_shape, hardware="cpu"):
-    from tests.models import GPT, GPTConfig, lm_loss
+    from autopar.zoo import GPT, GPTConfig, lm_loss
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
     x = torch.randint(0, 64, (4, 16))
@@ -99,10 +99,21 @@ def test_plan_cost_matches_objective():
     assert plan.cost.compute > 0 and plan.cost.communication_total > 0
 
 
-def test_time_limit_without_a_plan_falls_back_to_greedy():
+def test_time_limit_without_a_plan_falls_back_to_greedy(monkeypatch):
     """When the limit passes before the solver has any plan, the greedy plan is returned
-    (valid, priced by the same cost model) instead of an error."""
+    (valid, priced by the same cost model) instead of an error. The solver is made to stop
+    without a plan, as it does when its time limit passes first (HiGHS then reports a status
+    that is neither a plan nor infeasibility)."""
+    from ortools.linear_solver import pywraplp
+
     graph, cost = _gpt_graph((2, 2))
+    monkeypatch.setattr(pywraplp.Solver, "Solve",
+                        lambda self, *args: pywraplp.Solver.NOT_SOLVED)
     sol = solve(graph, cost, time_limit=0.001)
-    assert sol.status in ("greedy (time limit)", "optimal", "feasible")
+    assert sol.status == "greedy (time limit)"
+    assert sol.choice == greedy(graph, cost)
+    # valid: a strategy of every node, every edge reshardable (no infinite price), priced
+    assert set(sol.choice) == set(graph.nodes)
+    assert all(0 <= k < len(graph.nodes[n].strategies) for n, k in sol.choice.items())
+    assert sol.objective < INFEASIBLE
     assert plan_time(graph, cost, sol.choice) == pytest.approx(sol.objective, rel=1e-6)

@@ -62,7 +62,8 @@ def _resolve(module_name: str, qualname: str):
     return obj
 
 
-def _worker_main(rank: int, size: int, port: int, repo_root: str, conn) -> None:
+def _worker_main(rank: int, size: int, port: int, repo_root: str, conn,
+                 pg_timeout: float | None = None) -> None:
     """Entry point of one rank process (spawned)."""
     if repo_root not in sys.path:
         sys.path.insert(0, repo_root)
@@ -75,7 +76,10 @@ def _worker_main(rank: int, size: int, port: int, repo_root: str, conn) -> None:
         os.environ["MASTER_PORT"] = str(port)
         if sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group("gloo", rank=rank, world_size=size)
+        import datetime
+
+        timeout = datetime.timedelta(seconds=pg_timeout) if pg_timeout else None
+        dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timeout)
     except BaseException:
         _send(conn, ("error", f"rank {rank} failed to start:\n{traceback.format_exc()}"))
         _flush()
@@ -111,9 +115,14 @@ def _worker_main(rank: int, size: int, port: int, repo_root: str, conn) -> None:
 class World:
     """`size` spawned CPU processes in one gloo process group, reused across tasks."""
 
-    def __init__(self, size: int, timeout: float = 120.0, error_grace: float = 3.0):
+    def __init__(self, size: int, timeout: float = 120.0, error_grace: float = 3.0,
+                 pg_timeout: float | None = None, start_timeout: float = 600.0):
         self.size = size
+        self.pg_timeout = pg_timeout  # seconds a collective may wait (None: torch's default)
         self.timeout = timeout  # seconds to wait for all results of one run
+        # seconds to wait for the processes to start (importing torch on a loaded machine can
+        # take long; a slow start is not what a run's timeout is about)
+        self.start_timeout = start_timeout
         self.error_grace = error_grace  # seconds to wait for the others once one rank failed
         self._procs: list = []
         self._conns: list = []
@@ -155,7 +164,7 @@ class World:
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.size, port, REPO_ROOT, child_conn),
+                args=(rank, self.size, port, REPO_ROOT, child_conn, self.pg_timeout),
                 name=f"world{self.size}-rank{rank}",
                 daemon=False,  # daemonic processes may not have children of their own
             )
@@ -197,7 +206,7 @@ class World:
     def _wait_ready(self) -> None:
         if self._ready:
             return
-        replies, missing = self._collect(self.timeout, error_grace=self.timeout)
+        replies, missing = self._collect(self.start_timeout, error_grace=self.start_timeout)
         errors = {r: payload for r, (status, payload) in replies.items() if status != "ready"}
         if errors or missing:
             self._teardown()
@@ -231,6 +240,20 @@ class World:
             what = f"{module_name}.{qualname} failed"
             raise WorkerError(self._describe(what, errors, missing))
         return [replies[r][1] for r in range(self.size)]
+
+    def outcomes(self, fn, *args, **kwargs) -> list[tuple[str, object]]:
+        """Like `run`, but returns every rank's (status, payload) instead of raising when some
+        rank failed or died ("ok", "error", or "missing" for a rank that did not answer); the
+        world is restarted after a failure."""
+        task = pickle.dumps((fn.__module__, fn.__qualname__, args, kwargs),
+                            pickle.HIGHEST_PROTOCOL)
+        self.start()
+        for conn in self._conns:
+            conn.send_bytes(task)
+        replies, missing = self._collect(self.timeout, error_grace=self.error_grace)
+        if missing or any(status != "ok" for status, _ in replies.values()):
+            self._restart()
+        return [replies.get(r, ("missing", None)) for r in range(self.size)]
 
     def _collect(self, timeout: float, error_grace: float):
         """Wait for one message per rank. Returns ({rank: (status, payload)}, [missing ranks])."""

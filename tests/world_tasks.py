@@ -52,3 +52,28 @@ def die_on_rank(bad_rank):
 def pid():
     return os.getpid()
 
+
+
+def torch_compat_collectives():
+    """Each collective autopar calls through autopar.passes.torch_compat, on this rank's small
+    tensors; and a message left in the default store by rank 0, read by every rank."""
+    from autopar.passes import torch_compat
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    part = torch.tensor([float(rank), 10.0 + rank])
+    gathered = torch.empty(2 * n)
+    torch_compat.all_gather_single(gathered, part)
+    full = torch.arange(2.0 * n) + rank
+    scattered = torch.empty(2)
+    torch_compat.reduce_scatter_single(scattered, full)
+    swapped = torch.empty(2 * n)
+    torch_compat.all_to_all_single(swapped, torch.arange(2.0 * n) + 100 * rank)
+    summed = torch.tensor([float(rank)])
+    torch_compat.all_reduce(summed)
+    store = torch_compat.default_store()
+    if rank == 0:
+        store.set("torch_compat_test", b"left by rank 0")
+    dist.barrier()
+    return {"all_gather_single": gathered.tolist(), "reduce_scatter_single": scattered.tolist(),
+            "all_to_all_single": swapped.tolist(), "all_reduce": summed.tolist(),
+            "store": bytes(store.get("torch_compat_test"))}

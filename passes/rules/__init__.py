@@ -1,6 +1,29 @@
-"""The sharding-rule registry, one module per op family; importing this package registers all."""
+"""The sharding-rule registry, one module per op family; importing this package registers all
+rules and op facts."""
 
-from . import attention, embedding_loss, matmul, norms, pointwise, reductions, views  # noqa: F401
-from .registry import LOWERINGS, RULES, LocalContext, OpCall, Rule1D, TensorArg, replicate_all
+from . import (  # noqa: F401
+    attention,
+    embedding_loss,
+    indexing,
+    matmul,
+    norms,
+    pointwise,
+    random,
+    reductions,
+    views,
+)
+from .registry import (
+    FACTS,
+    LOWERINGS,
+    RULES,
+    LocalContext,
+    OpCall,
+    OpFacts,
+    Rule1D,
+    TensorArg,
+    facts_of,
+    replicate_all,
+)
 
-__all__ = ["LOWERINGS", "RULES", "LocalContext", "OpCall", "Rule1D", "TensorArg", "replicate_all"]
+__all__ = ["FACTS", "LOWERINGS", "RULES", "LocalContext", "OpCall", "OpFacts", "Rule1D",
+           "TensorArg", "facts_of", "replicate_all"]

@@ -2,8 +2,11 @@
 
 An embedding table can be split by rows (vocabulary parallel: each rank looks up the tokens it
 owns, zeros elsewhere, and the output is a pending sum), by columns (hidden), or the lookups can be
-split with the indices. Cross-entropy with a mean over the batch is a pending sum when the batch
-is sharded: each rank sums its rows' losses and divides by the global count of counted targets.
+split with the indices. Indexing a tensor with one index tensor (the expert weights each token
+chose), gathering along a dimension and one-hot encoding are lookups too.
+
+Cross-entropy with a mean over the batch is a pending sum when the batch is sharded: each rank
+sums its rows' losses and divides by the global count of counted targets.
 """
 
 from __future__ import annotations
@@ -12,7 +15,31 @@ import torch
 import torch.nn.functional as F
 
 from ..placement import local_slices
-from .registry import LocalContext, OpCall, P, R, Rule1D, Shard, aten, lowering, register
+from .registry import (
+    SAVES_INDICES,
+    SAVES_INPUTS,
+    LocalContext,
+    OpCall,
+    P,
+    R,
+    Rule1D,
+    Shard,
+    TensorArg,
+    aten,
+    facts,
+    lowering,
+    norm_dim,
+    register,
+)
+
+# A lookup keeps its indices; losses keep their input (cross-entropy: its log-softmax, the
+# same size) and target.
+facts(aten.embedding.default, saves=SAVES_INDICES)
+facts(aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default,
+      saves=SAVES_INPUTS, flops_per_element=20.0)
+facts(aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
+      aten.huber_loss.default, aten.binary_cross_entropy.default,
+      aten.binary_cross_entropy_with_logits.default, saves=SAVES_INPUTS)
 
 
 @register(aten.embedding.default)
@@ -30,6 +57,48 @@ def embedding(call: OpCall) -> list[Rule1D]:
         Rule1D((R, R), R),
     ]
     return rules
+
+
+@register(aten.one_hot.default)
+def one_hot(call: OpCall) -> list[Rule1D]:
+    """one_hot(indices, num_classes): rows of the identity table, so the indices' dimensions may
+    be sharded. With num_classes=-1 the class count is the largest index of all: whole only."""
+    idx = call.inputs[0]
+    rules = [Rule1D((R,), R)]
+    if call.arg(1, "num_classes", -1) < 0:
+        return rules
+    return [Rule1D((Shard(j),), Shard(j)) for j in range(idx.ndim)] + rules
+
+
+@register(aten.index.Tensor)
+def index(call: OpCall) -> list[Rule1D]:
+    """x[indices] with one integer index tensor, at position p of `indices` (None before it:
+    whole dimensions). The output is x.shape[:p] + idx.shape + x.shape[p + 1:]: the lookups may
+    be split with idx (x whole), or x on a dimension that is not indexed (idx whole). Several
+    index tensors broadcast together, and boolean masks: whole only."""
+    x = call.inputs[0]
+    rules = [Rule1D(tuple(R for _ in call.inputs), R)]
+    used = [(p, a) for p, a in enumerate(call.args[1]) if a is not None]
+    if len(used) != 1 or not isinstance(used[0][1], TensorArg) or \
+            used[0][1].dtype not in (torch.int64, torch.int32):
+        return rules
+    p, idx = used[0]
+    rules = [Rule1D((R, Shard(j)), Shard(p + j)) for j in range(idx.ndim)]
+    rules += [Rule1D((Shard(d), R), Shard(d if d < p else d - 1 + idx.ndim))
+              for d in range(x.ndim) if d != p]
+    return rules + [Rule1D((P, R), P), Rule1D((R, R), R)]
+
+
+@register(aten.gather.default)
+def gather(call: OpCall) -> list[Rule1D]:
+    """gather(x, dim, index): out[..., j, ...] = x[..., index[..., j, ...], ...] along `dim`,
+    which stays whole; another dimension may be sharded on both where x and index have the
+    same size there (the output has index's shape)."""
+    x, idx = call.inputs[:2]
+    dim = norm_dim(call.args[1], x.ndim) if x.ndim else 0
+    rules = [Rule1D((Shard(j), Shard(j)), Shard(j)) for j in range(x.ndim)
+             if j != dim and x.shape[j] == idx.shape[j]]
+    return rules + [Rule1D((P, R), P), Rule1D((R, R), R)]
 
 
 def _vocab_parallel_embedding(weight, indices, start: int, length: int, padding_idx: int = -1):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .registry import (
+    SAVES_OPERANDS,
     LocalContext,
     OpCall,
     P,
@@ -19,9 +20,16 @@ from .registry import (
     Shard,
     aten,
     dedupe,
+    facts,
     lowering,
     register,
 )
+
+# Products: 2 x output x inner flops; backward computes one product per operand needing a
+# gradient and keeps each operand whose partner needs one.
+facts(aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
+      product=(0, 1), backward_factor=2.0, saves=SAVES_OPERANDS)
+facts(aten.addmm.default, product=(1, 2), backward_factor=2.0, saves=SAVES_OPERANDS)
 
 
 def _has_partial_output(ctx: LocalContext) -> bool:

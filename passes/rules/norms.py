@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
-from .registry import OpCall, R, Rule1D, Shard, aten, register
+import math
+
+from .registry import SAVES_INPUTS, OpCall, R, Rule1D, Shard, aten, facts, register
+
+
+def _statistics(call: OpCall, in_local, out_local, itemsize) -> float:
+    """A norm keeps float32 statistics per normalized row: mean and rstd (layer norm), rstd
+    (RMS norm)."""
+    normalized = len(call.arg(1, "normalized_shape", ()) or ())
+    rows = math.prod(in_local[0][:len(in_local[0]) - normalized])
+    return rows * 4 * (2 if call.target in (aten.layer_norm.default,
+                                            aten.native_layer_norm.default) else 1)
+
+
+facts(aten.layer_norm.default, aten.rms_norm.default, aten.native_layer_norm.default,
+      flops_per_element=20.0, saves=SAVES_INPUTS, extra_saved=_statistics)
+facts(aten.group_norm.default, aten.native_group_norm.default, aten.batch_norm.default,
+      aten._native_batch_norm_legit_functional.default, flops_per_element=20.0,
+      saves=SAVES_INPUTS)
 
 
 @register(aten.layer_norm.default, aten.rms_norm.default)

@@ -6,7 +6,25 @@ per-rank pieces stays a sum after negation, scaling by a replicated factor, or a
 
 from __future__ import annotations
 
-from .registry import OpCall, P, R, Rule1D, Shard, TensorArg, aten, dedupe, register
+from .registry import (
+    SAVES_DIVISOR,
+    SAVES_FIRST,
+    SAVES_INDICES,
+    SAVES_INPUTS,
+    SAVES_NOTHING,
+    SAVES_OPERANDS,
+    SAVES_OUTPUT,
+    OpCall,
+    P,
+    R,
+    Rule1D,
+    Shard,
+    TensorArg,
+    aten,
+    dedupe,
+    facts,
+    register,
+)
 
 UNARY = [
     aten.abs.default, aten.exp.default, aten.log.default, aten.sqrt.default, aten.rsqrt.default,
@@ -16,7 +34,7 @@ UNARY = [
     aten.hardtanh.default, aten.elu.default, aten.softplus.default, aten.log1p.default,
     aten.expm1.default, aten.sign.default, aten.floor.default, aten.ceil.default,
     aten.round.default, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
-    aten.bitwise_not.default, aten.dropout.default, aten.square.default, aten.mish.default,
+    aten.bitwise_not.default, aten.square.default, aten.mish.default,
     aten.relu6.default if hasattr(aten, "relu6") else aten.relu.default,
     aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.eq.Scalar,
     aten.ne.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar, aten.remainder.Scalar,
@@ -42,6 +60,44 @@ ADDITIVE = [aten.add.Tensor, aten.sub.Tensor]
 MULTIPLICATIVE = [aten.mul.Tensor]
 # Division is linear in the numerator only.
 DIVISION = [aten.div.Tensor]
+
+# What backward keeps, and the ops built on exp / erf / rsqrt (about 20 flops per element on
+# vector units: a polynomial per transcendental, against one for arithmetic).
+TRANSCENDENTAL = 20.0
+facts(aten.gelu.default, aten.silu.default, aten.erf.default, aten.log.default,
+      aten.log1p.default, aten.softplus.default, aten.mish.default, aten.sin.default,
+      aten.cos.default, flops_per_element=TRANSCENDENTAL, saves=SAVES_FIRST)
+facts(aten.tanh.default, aten.sigmoid.default, aten.exp.default, aten.rsqrt.default,
+      aten.expm1.default, flops_per_element=TRANSCENDENTAL, saves=SAVES_OUTPUT)
+facts(aten.relu.default, aten.sqrt.default, aten.elu.default, saves=SAVES_OUTPUT)
+facts(aten.abs.default, aten.reciprocal.default, aten.pow.Tensor_Scalar,
+      aten.leaky_relu.default, aten.hardtanh.default, aten.clamp.default,
+      aten.clamp_min.default, aten.clamp_max.default, aten.square.default, saves=SAVES_FIRST)
+if hasattr(aten, "relu6"):
+    facts(aten.relu6.default, saves=SAVES_FIRST)
+# No gradient, or a gradient that needs nothing (constant, or linear in the input):
+facts(aten.logical_not.default, aten.sign.default, aten.floor.default, aten.ceil.default,
+      aten.round.default, aten.bitwise_not.default, aten.gt.Scalar, aten.lt.Scalar,
+      aten.ge.Scalar, aten.le.Scalar, aten.eq.Scalar, aten.ne.Scalar, aten.add.Scalar,
+      aten.sub.Scalar, aten.rsub.Scalar, aten.remainder.Scalar, aten.fmod.Scalar,
+      aten.neg.default, aten.clone.default, aten.to.dtype, aten.to.dtype_layout,
+      aten.to.device, aten._to_copy.default, aten.contiguous.default, aten.mul.Scalar,
+      aten.div.Scalar, aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor,
+      aten.gt.Tensor, aten.ge.Tensor, aten.__and__.Tensor, aten.__or__.Tensor,
+      aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
+      aten.logical_or.default, aten.lerp.Scalar, aten.div.Tensor_mode, aten.remainder.Tensor,
+      aten.fmod.Tensor, *ADDITIVE, aten.zeros_like.default, aten.ones_like.default,
+      aten.full_like.default, aten.fill.Scalar, aten.copy.default, aten.tril.default,
+      aten.triu.default, saves=SAVES_NOTHING)
+facts(aten.alias.default, aten.detach.default, view=True, saves=SAVES_NOTHING)
+facts(aten.pow.Tensor_Tensor, saves=SAVES_INPUTS, saves_output=True,
+      flops_per_element=TRANSCENDENTAL)
+facts(aten.maximum.default, aten.minimum.default, aten.addcmul.default, aten.addcdiv.default,
+      aten.atan2.default, saves=SAVES_INPUTS)
+facts(aten.where.self, saves=SAVES_FIRST)  # the condition
+facts(aten.masked_fill.Scalar, aten.masked_fill.Tensor, saves=SAVES_INDICES)  # the mask
+facts(*MULTIPLICATIVE, saves=SAVES_OPERANDS)
+facts(*DIVISION, saves=SAVES_DIVISOR)
 
 
 def broadcast_rules(call: OpCall) -> list[Rule1D]:
@@ -114,6 +170,9 @@ def division(call: OpCall) -> list[Rule1D]:
     elif len(call.inputs) == 1 and isinstance(call.args[0], TensorArg):
         rules.append(Rule1D((P,), P))
     return dedupe(rules)
+
+
+facts(aten.broadcast_tensors.default, view=True, saves=SAVES_NOTHING)
 
 
 @register(aten.broadcast_tensors.default)

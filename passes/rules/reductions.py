@@ -2,7 +2,8 @@
 
 Reducing over a sharded dimension leaves each rank a pending sum (for a mean, each rank's mean is
 scaled by its share of the elements). Max-like reductions have no pending form here and need the
-reduced dimension whole. Softmax needs its own dimension whole; other dimensions may be sharded.
+reduced dimension whole. Softmax and top-k need their own dimension whole; other dimensions may be
+sharded.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import torch
 
 from .registry import (
+    SAVES_INPUTS,
+    SAVES_NOTHING,
+    SAVES_OUTPUT,
     LocalContext,
     OpCall,
     P,
@@ -17,6 +21,7 @@ from .registry import (
     Rule1D,
     Shard,
     aten,
+    facts,
     lowering,
     norm_dim,
     register,
@@ -51,6 +56,17 @@ def _reduction_rules(call: OpCall, linear: bool) -> list[Rule1D]:
     if linear:
         rules.append(Rule1D((P,), P))
     return rules
+
+
+facts(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
+      aten.any.dim, aten.all.dim, aten.argmax.default, aten.argmin.default,
+      aten.cumsum.default, saves=SAVES_NOTHING)
+facts(aten.amax.default, aten.amin.default, aten.prod.dim_int, saves=SAVES_INPUTS,
+      saves_output=True)
+facts(aten.var.correction, aten.std.correction, saves=SAVES_INPUTS)
+facts(aten.logsumexp.default, saves=SAVES_INPUTS, saves_output=True, flops_per_element=20.0)
+facts(aten._softmax.default, aten._log_softmax.default, aten.softmax.int,
+      aten.log_softmax.int, saves=SAVES_OUTPUT, flops_per_element=20.0)
 
 
 @register(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default)
@@ -93,3 +109,13 @@ def softmax(call: OpCall) -> list[Rule1D]:
     dim = norm_dim(call.args[1], x.ndim)
     rules = [Rule1D((Shard(j),), Shard(j)) for j in range(x.ndim) if j != dim]
     return rules + [Rule1D((R,), R)]
+
+
+@register(aten.topk.default)
+def topk(call: OpCall) -> list[Rule1D]:
+    """topk(x, k, dim=-1, largest, sorted) -> (values, indices): each row along `dim` is chosen
+    from whole, so that dimension is whole; the others are free."""
+    x = call.inputs[0]
+    dim = norm_dim(call.arg(2, "dim", -1), x.ndim) if x.ndim else 0
+    rules = [Rule1D((Shard(j),), (Shard(j), Shard(j))) for j in range(x.ndim) if j != dim]
+    return rules + [Rule1D((R,), (R, R))]

@@ -8,6 +8,11 @@ are products of these (see `passes.strategies`). A rule may also register a *low
 (`@lowering(op)`) when the op cannot run unchanged on local shards (a mean over a sharded
 dimension, a bias that must be added once under a pending sum, a vocabulary-parallel embedding).
 Ops whose shape arguments must be made local (view, expand, ...) get that from `lowering` too.
+
+Next to its rule, a family file states the op's *facts* (`facts(op, ...)`, an `OpFacts`): what
+the cost and memory models need to know of it (a view, a product, its flops, what autograd
+keeps for its backward, the random numbers it draws). Adding an op is one place: its family file.
+Ops without a rule may have facts too (they run replicated, but are still priced).
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 aten = torch.ops.aten
-__all__ = ["LOWERINGS", "RULES", "LocalContext", "OpCall", "P", "R", "Rule1D", "Shard",
-           "TensorArg", "aten", "dedupe", "lowering", "norm_dim", "register", "replicate_all"]
+__all__ = ["FACTS", "LOWERINGS", "RULES", "SAVES_DIVISOR", "SAVES_FIRST", "SAVES_INDICES",
+           "SAVES_INPUTS", "SAVES_NOTHING", "SAVES_OPERANDS", "SAVES_OUTPUT", "UNKNOWN",
+           "LocalContext", "OpCall", "OpFacts", "P", "R", "Rule1D", "Shard", "TensorArg", "aten",
+           "dedupe", "facts", "facts_of", "lowering", "norm_dim", "register", "replicate_all"]
 R = Replicate()
 P = Partial()
 
@@ -66,11 +73,13 @@ class OpCall:
 
 @dataclass(frozen=True)
 class TensorArg:
-    """A tensor argument: its index among the op's tensor inputs, its shape and dtype."""
+    """A tensor argument: its index among the op's tensor inputs, its shape and dtype, and its
+    strides in the single-device program (random ops draw in memory order; None: contiguous)."""
 
     index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    stride: tuple[int, ...] | None = None
 
     @property
     def ndim(self) -> int:
@@ -96,6 +105,67 @@ LoweringFn = Callable[[OpCall, tuple, dict, LocalContext], tuple[Any, tuple, dic
 
 RULES: dict[Any, RuleFn] = {}
 LOWERINGS: dict[Any, LoweringFn] = {}
+FACTS: dict[Any, OpFacts] = {}
+
+# What autograd keeps of an op's inputs for its backward (`OpFacts.saves`):
+SAVES_INPUTS = "inputs"          # every input
+SAVES_FIRST = "first"            # the first input (gelu, silu: f'(x) needs x)
+SAVES_OUTPUT = "output"          # its own output (relu, tanh, softmax: f'(x) from f(x))
+SAVES_NOTHING = "nothing"        # nothing (sums, views, copies, creation)
+SAVES_OPERANDS = "operands"      # a product: each operand whose partner needs a gradient
+SAVES_INDICES = "indices"        # the inputs after the first (index, gather: the indices)
+SAVES_DIVISOR = "divisor"        # the divisor, and the numerator when the divisor needs a grad
+
+
+@dataclass(frozen=True)
+class OpFacts:
+    """What pricing an op needs to know of it, whatever its placements.
+
+    `view`: an alias of its input (no compute, no bytes; it keeps its base alive).
+    `product`: the input slots of a matrix product's two operands (flops 2 x output x inner
+    size; backward one product per operand that needs a gradient).
+    `flops_per_element`: arithmetic per output element of an elementwise op (about 20 for ops
+    built on exp / erf / rsqrt, and norms, softmax and losses, which add reductions).
+    `backward_factor`: backward flops per forward flop when it is not a product.
+    `saves`: what autograd keeps for its backward (SAVES_*); `saves_output`: also its output.
+    `flops(call, in_local, out_local)`: forward flops, when the above do not say (attention).
+    `extra_saved(call, in_local, out_local, itemsize)`: bytes of small tensors it makes only
+    for backward (statistics, log-sum-exp, a dropout mask), `itemsize(dtype)` giving a traced
+    dtype's size under the plan's precision.
+    `draws(call)`: random numbers it draws on every rank (the whole tensor, whatever the
+    sharding)."""
+
+    view: bool = False
+    product: tuple[int, int] | None = None
+    flops_per_element: float = 1.0
+    backward_factor: float = 1.0
+    saves: str = SAVES_INPUTS
+    saves_output: bool = False
+    flops: Callable | None = None
+    extra_saved: Callable | None = None
+    draws: Callable | None = None
+
+
+UNKNOWN = OpFacts()  # an op no family states facts for: assume it keeps every input
+
+
+def facts(*ops, **fields) -> OpFacts:
+    """State the facts of the given ATen ops (overloads, or overload packets for every
+    overload) in their family file; returns them."""
+    fact = OpFacts(**fields)
+    for op in ops:
+        if op in FACTS:
+            raise ValueError(f"two sets of facts for {op}")
+        FACTS[op] = fact
+    return fact
+
+
+def facts_of(target) -> OpFacts:
+    """The facts of an op (by overload, then by overload packet), or UNKNOWN."""
+    got = FACTS.get(target)
+    if got is None:
+        got = FACTS.get(getattr(target, "overloadpacket", None), UNKNOWN)
+    return got
 
 
 def register(*ops) -> Callable[[RuleFn], RuleFn]:

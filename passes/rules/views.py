@@ -9,6 +9,7 @@ are linear, so Partial passes through. Ops that take a shape argument get it mad
 from __future__ import annotations
 
 from .registry import (
+    SAVES_NOTHING,
     LocalContext,
     OpCall,
     P,
@@ -17,6 +18,7 @@ from .registry import (
     Shard,
     aten,
     dedupe,
+    facts,
     lowering,
     norm_dim,
     register,
@@ -49,6 +51,21 @@ def dim_map_rules(call: OpCall, mapping: dict[int, int]) -> list[Rule1D]:
     """Rules for a single-input op whose input dimension d lands on output dimension mapping[d]."""
     rules = [Rule1D((Shard(d),), Shard(o)) for d, o in sorted(mapping.items())]
     return rules + [Rule1D((R,), R), Rule1D((P,), P)]
+
+
+# Views: no compute, no bytes of their own (a reshape of an expanded tensor copies it: the
+# memory model sees that from the graph).
+facts(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+      aten.flatten.using_ints, aten.unflatten.int, aten.transpose.int, aten.permute.default,
+      aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+      aten.squeeze.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
+      aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default,
+      aten.narrow.default, aten.as_strided.default, aten.view_as.default,
+      aten.expand_as.default, view=True, saves=SAVES_NOTHING)
+# Copies that keep nothing for backward.
+facts(aten.cat.default, aten.stack.default, aten.constant_pad_nd.default, aten.pad.default,
+      aten.repeat.default, aten.repeat_interleave.self_int, aten.roll.default,
+      saves=SAVES_NOTHING)
 
 
 @register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
@@ -175,6 +192,20 @@ def stack(call: OpCall) -> list[Rule1D]:
              for j in range(n - 1)]
     rules += [Rule1D(tuple(R for _ in range(k)), R), Rule1D(tuple(P for _ in range(k)), P)]
     return dedupe(rules)
+
+
+@register(aten.repeat_interleave.self_int)
+def repeat_interleave(call: OpCall) -> list[Rule1D]:
+    """Each element repeated `repeats` times in a row along `dim` (the flattened input when dim
+    is None): a block of the input becomes the block of the output, on every dimension. Along
+    `dim`, only without `output_size` (the global size, which a shard does not have)."""
+    x = call.inputs[0]
+    dim = call.arg(2, "dim", None)
+    whole_size = call.arg(3, "output_size", None) is not None
+    if dim is None:
+        return dim_map_rules(call, {} if whole_size or not x.ndim else {0: 0})
+    dim = norm_dim(dim, x.ndim)
+    return dim_map_rules(call, {j: j for j in range(x.ndim) if j != dim or not whole_size})
 
 
 def _with_local_shape(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext, i: int):

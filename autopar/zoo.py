@@ -1,5 +1,12 @@
-"""A whole GPT in one short file, nanoGPT style: token + position embedding, pre-LayerNorm blocks
-with causal scaled-dot-product attention and a GELU MLP, and an LM head tied to the embedding."""
+"""Models from config, no downloads: what the example, the tests, the benchmarks and calibration
+plan and train.
+
+- `GPT`: a whole GPT in one short class, nanoGPT style: token + position embedding, pre-LayerNorm
+  blocks with causal scaled-dot-product attention and a GELU MLP, and an LM head tied to the
+  embedding (`GPTConfig.tie_weights`); `lm_loss` is its next-token loss.
+- `hf_gpt2`, `hf_llama`: Hugging Face GPT-2 and Llama built from a config (the `transformers`
+  package is needed for these only), wrapped so that forward(input_ids) returns the logits.
+"""
 
 import math
 from dataclasses import dataclass
@@ -11,11 +18,14 @@ from torch import nn
 
 @dataclass
 class GPTConfig:
+    """The GPT's sizes (nanoGPT's names)."""
+
     vocab_size: int = 128
     block_size: int = 32
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64
+    tie_weights: bool = True  # the LM head shares the token embedding's weight
 
 
 class CausalSelfAttention(nn.Module):
@@ -64,6 +74,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """(batch, sequence) token ids -> (batch, sequence, vocabulary) logits."""
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -72,7 +84,8 @@ class GPT(nn.Module):
         self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying
+        if config.tie_weights:
+            self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -97,4 +110,68 @@ class GPT(nn.Module):
 
 
 def lm_loss(logits, targets):
+    """Next-token cross-entropy of (batch, sequence, vocabulary) logits."""
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class LogitsOnly(nn.Module):
+    """Wraps a Hugging Face causal LM so that forward(input_ids) returns just the logits tensor."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+def hf_gpt2(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, dropout=0.0):
+    """GPT-2 from config; `dropout` is its embedding, residual and attention dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel  # an optional dependency
+
+    config = GPT2Config(
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        summary_first_dropout=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return LogitsOnly(GPT2LMHeadModel(config))
+
+
+def hf_llama(
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=128,
+    max_position_embeddings=32,
+):
+    """Llama (grouped-query attention, RMSNorm, SwiGLU, rotary positions) from config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=num_hidden_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        attention_dropout=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return LogitsOnly(LlamaForCausalLM(config))

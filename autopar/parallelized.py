@@ -1,0 +1,683 @@
+"""Parallelized: the module `autopar.parallelize` returns, and the driver that builds it.
+
+It holds the user's model until the first call, and from then on only a meta copy of it (for
+tracing) and this rank's shards. At a call it:
+
+1. splits the call into model inputs, keyword inputs and target (autopar.inputs), checks them on
+   this rank (device, the shape the plan was made for) and makes every rank agree, in one small
+   all-gather on the control plane (autopar.runtime.control), that all passed their checks,
+   that shapes and dtypes are equal, and that global inputs hold equal values (per-rank inputs:
+   equal within the ranks that share a slice); a failure anywhere raises on every rank before
+   any collective of the model;
+2. finds the program for the call's mode (train or eval) and input shapes, or builds it: trace
+   the meta copy in that mode, plan (rank 0 solves, every rank receives the plan and compares
+   its hash), rewrite, run. The first build places the parameters: rank 0's values are
+   broadcast (every rank starts from one model, as with DistributedDataParallel) and each rank
+   keeps its shards in a ParameterStore; later builds (another shape, eval mode) are planned
+   with the parameters staying where they are;
+3. checks, when the program draws random numbers (dropout), that every rank's generator is in
+   the same state: each rank draws the slice of what the single-device model would draw from
+   that state;
+4. runs the program.
+
+Parameters are DTensors under the model's own names (see runtime/params.py): optimizers, param
+groups by name, clip_grad_norm_, state_dict() and torch.distributed.checkpoint work on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate
+
+from autopar.passes import strategies as strat_pass
+from autopar.passes.pipeline_split import ValueMeta, layer_blocks, split_stages
+from autopar.passes.rewrite import rewrite
+from autopar.passes.torch_compat import persistent_buffers
+from autopar.passes.trace import TracedProgram, TraceError, meta_copy, trace
+from autopar.runtime.collectives import MeshComm
+from autopar.runtime.control import Control, RankError, agreed, content_hash, signature
+from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.module import ParallelModule
+from autopar.runtime.params import ParameterStore, local_block, skeleton_child
+from autopar.runtime.pipeline import PipelineModule, SubmeshComm, stage_parameters
+from autopar.solver.specs import compute_dtype
+from autopar.solver.stages import StageError
+
+from .inputs import (
+    Call,
+    batch_of,
+    check_device,
+    global_call,
+    microbatch,
+    on_meta,
+    pieces_of,
+    split_call,
+)
+from .materialize import aliases, broadcast_from_rank0, local_values
+from .mesh import MeshSpec
+from .options import PlanOptions
+from .plan import Plan
+from .planner import choice_from_plan, input_placement, solve_accumulated, solve_pipeline_plan
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks hold different plans; raised on every rank before any collective of the model."""
+
+
+class IncompatibleKeys(NamedTuple):
+    """What `load_state_dict` returns (as torch's does): the names it did not find."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class _Hidden:
+    """Holds an object without nn.Module registering it (a model, a DeviceMesh)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
+@dataclass
+class _Built:
+    """One program built for a call: its runner, the target it was traced with (None: no
+    loss_fn), and the random draws it makes."""
+
+    runner: ParallelModule
+    target: tuple | None
+    random_ops: list[str]
+
+    @property
+    def plan(self) -> Plan:
+        return self.runner.plan
+
+
+class Parallelized(nn.Module):
+    """The parallelized model on one rank.
+
+    `step(*inputs, target)` (or `step(*inputs, **kwargs)` for a model that returns its loss)
+    trains: forward and backward on the batch, returning the loss; `pmodel(*inputs, **kwargs)`
+    infers, returning what the model returns, whole. `parameters()` / `named_parameters()` are
+    this rank's shards as DTensors under the model's names; `.plan` is the plan that ran last.
+    `train()` / `eval()` switch between programs traced in each mode.
+    """
+
+    def __init__(self, model: nn.Module, mesh, spec: MeshSpec, options: PlanOptions, loss_fn,
+                 plan: Plan | None, init_fn=None):
+        super().__init__()
+        self._init_fn = init_fn
+        self._compute_dtype = compute_dtype(options.precision)
+        self._source = _Hidden(model)          # the user's model, until the first build
+        self._meta = _Hidden(meta_copy(model))  # tracing runs on this copy
+        self._aliases = aliases(model)
+        self._mesh_holder = _Hidden(mesh)
+        self._spec = spec
+        self._options = options
+        self._loss_fn = loss_fn
+        self._given_plan = plan
+        self.training = model.training
+        self._control = Control()
+        self._device = _device_of(mesh)
+        self._runners: dict[tuple, list[_Built]] = {}
+        self._store: ParameterStore | None = None
+        self._grad_sync: GradSync | None = None
+        self._buffers_whole: dict[str, torch.Tensor] = {}
+        self._pipeline: PipelineModule | None = None
+        self._last_plan: Plan | None = None
+        self._coords = tuple(mesh.get_coordinate())
+        self._comm = MeshComm([mesh.get_group(k) for k in range(mesh.ndim)])
+        self._same_slice = self._slice_groups(mesh)
+
+    # -- the user's calls ----------------------------------------------------------------------
+    def build(self, example_inputs: tuple, example_kwargs: dict | None = None) -> None:
+        """Plan and build now for these inputs (what `step` will receive with a loss_fn; the
+        model's inputs otherwise, then planned for training when the model returns its loss)
+        instead of at the first call."""
+        with self._control.guard("parallelize"):
+            if self._spec.pipeline_dim is not None:
+                if self._pipeline is None:
+                    self._build_pipeline(tuple(example_inputs))
+                return
+            step = True if self._loss_fn is not None else "auto"
+            call = self._split(tuple(example_inputs), dict(example_kwargs or {}), step)
+            self._program_for(call, step)
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward on the batch; returns the loss, the same on every rank.
+
+        With a `loss_fn`: `step(*inputs, target)`. Without: `step(*inputs, **kwargs)` for a
+        model that returns its loss (a scalar, or an output with a `loss` field). Gradients of
+        this rank's shards are complete when it returns: an optimizer over `parameters()`
+        can step."""
+        with self._control.guard("step()"):
+            if self._spec.pipeline_dim is not None:
+                return self._pipeline_call(args, kwargs, step=True)
+            call = self._split(args, kwargs, step=True)
+            built = self._program_for(call, step=True)
+            m = built.plan.accumulation
+            return built.runner.step([microbatch(call, m, i).tensors for i in range(m)],
+                                     mean=self._options.loss_reduction == "mean")
+
+    def forward(self, *args, **kwargs):
+        """Inference: returns what the original model returns, whole, on every rank."""
+        with self._control.guard("the forward call"):
+            if self._spec.pipeline_dim is not None:
+                return self._pipeline_call(args, kwargs, step=False)
+            call = self._split(args, kwargs, step=False)
+            return self._program_for(call, step=False).runner.infer(call.tensors)
+
+    def _split(self, args, kwargs, step) -> Call:
+        try:
+            return split_call(args, kwargs, with_target=bool(step) and self._loss_fn is not None)
+        except (TypeError, TraceError) as e:
+            error = str(e)
+        self._control.exchange("checking the call's inputs", error, [])
+        raise AssertionError("unreachable: exchange raises when a rank failed")
+
+    # -- finding or building the program for a call --------------------------------------------
+    def _program_for(self, call: Call, step: bool) -> _Built:
+        key = self._model_key(call)
+        built = self._find(key, call, step)
+        error = check_device(call, self._device)
+        if step and not torch.is_grad_enabled():
+            error = ("step() runs the backward pass: call it outside torch.no_grad() / "
+                     "torch.inference_mode() (use the forward call for inference)")
+        if error is None and built is None and self._runners and \
+                self._options.on_new_shape == "raise":
+            error = (f"the inputs ({call.describe()}) differ from those the plan was made for "
+                     "(on_new_shape='raise'); pass inputs of the planned shapes, or "
+                     "parallelize with on_new_shape='replan' to plan for each new shape")
+        rows = self._agree_inputs(call, error, "step()" if step else "the forward call")
+        if built is None:
+            built = self._build(call, step)
+        self._check_random_states(built.random_ops, rows)
+        self._last_plan = built.plan
+        return built
+
+    def _agree_inputs(self, call: Call, error: str | None, what: str) -> list[list[int]]:
+        """Every rank learns whether every rank's inputs passed its checks (`error`: this
+        rank's failure), and that all passed the same shapes and dtypes and, for global inputs,
+        the same values (per-rank inputs: the same within the ranks that share a slice).
+        Returns the agreed rows (shapes, values, random state) of every rank."""
+        per_rank = bool(self._options.per_rank_inputs)
+        target = call.target
+        rows = self._control.exchange(
+            f"checking the inputs of {what}", error,
+            [signature(self._model_key(call), None if target is None else
+                       (tuple(target.shape), str(target.dtype))),
+             signature(*(content_hash(t) for t in call.tensors)) if error is None else 0,
+             _rng_signature(self._device)])
+        self._control.check_same(
+            f"ranks passed inputs of different shapes or dtypes to {what}", rows, 0,
+            call.describe())
+        self._control.check_same(
+            f"ranks passed different values to {what}: " + (
+                "with per_rank_inputs, ranks that share a slice of the batch (the same "
+                "coordinates on " + ", ".join(self._options.per_rank_inputs) + ") must pass "
+                "the same tensors" if per_rank else
+                "inputs are global (every rank passes the whole batch, as in single-device "
+                "code); to pass each rank its own slice, parallelize with per_rank_inputs="
+                "(names of the data-parallel mesh dimensions)"),
+            rows, 1, "", group_of=self._same_slice if per_rank else None)
+        return rows
+
+    def _check_random_states(self, random_ops: list[str], rows: list[list[int]]) -> None:
+        """A program that draws random numbers needs every rank's generator in one state."""
+        if random_ops:
+            self._control.check_same(
+                "the model draws random numbers (" + "; ".join(random_ops[:3]) + ") and ranks' "
+                "random generators are in different states: seed every rank alike "
+                "(torch.manual_seed(seed) on all ranks) so that each rank draws its slice of "
+                "what the single-device model would draw; keep per-rank randomness (data "
+                "shuffling) on a torch.Generator of its own", rows, 2)
+
+    def _model_key(self, call: Call) -> tuple:
+        return call.key(self.training)
+
+    def _find(self, key, call: Call, step: bool) -> _Built | None:
+        target = None if call.target is None else (tuple(call.target.shape), call.target.dtype)
+        for built in self._runners.get(key, []):
+            if step and built.runner.trains and built.target == target:
+                return built
+            if not step and built.plan.accumulation == 1:  # traced for the whole batch
+                return built
+        return None
+
+    def _build(self, call: Call, step: bool) -> _Built:
+        """Trace, plan, rewrite and (at the first build) place the parameters: a collective
+        every rank enters together (their inputs agreed)."""
+        traces: dict[int, TracedProgram] = {}
+
+        def trace_at(m: int) -> TracedProgram:  # the model on one of m microbatches
+            if m not in traces:
+                traces[m] = self._trace(microbatch(call, m), step, self.training)
+            return traces[m]
+
+        plan = self._plan_for(trace_at, batch_of(call), accumulate=bool(step))
+        program = self._agreed("tracing the model", lambda: trace_at(plan.accumulation))
+        spec = self._spec
+
+        def match():
+            graph = strat_pass.build(program, spec.shape, input_placement(spec, self._options))
+            return graph, choice_from_plan(plan, graph)
+
+        graph, choice = self._agreed("matching the plan to the model", match)
+        if self._store is None:
+            self._place_parameters(plan)
+        per_rank = None
+        placement = input_placement(spec, self._options)
+        if placement is not None:
+            first = next(iter(graph.nodes[n] for n in program.inputs))
+            per_rank = (placement, first.out_shapes[0][0])
+        programs = rewrite(program, graph, choice, self._coords, self._comm, per_rank)
+        constants = self._constants(program)
+        runner = ParallelModule(plan, programs, program.params, self._store, constants,
+                                list(program.inputs), self._comm, self._grad_sync,
+                                program.out_spec, self._compute_dtype)
+        target = None
+        if program.has_target:
+            target = (tuple(call.target.shape), call.target.dtype)
+        built = _Built(runner, target, program.random_ops)
+        self._runners.setdefault(self._model_key(call), []).append(built)
+        return built
+
+    def _trace(self, call: Call, with_loss: bool, training: bool) -> TracedProgram:
+        model = self._meta.obj
+        model.train(training)
+        traced_call = on_meta(call)
+        if self._options.per_rank_inputs:
+            traced_call = global_call(call, pieces_of(self._spec.shape, self._spec.names,
+                                                      self._options.per_rank_inputs))
+        use_loss_fn = bool(with_loss) and self._loss_fn is not None
+        return trace(model, traced_call.args, self._loss_fn if use_loss_fn else None,
+                     traced_call.target, kwargs=dict(traced_call.kwargs),
+                     output_loss=with_loss if self._loss_fn is None else False,
+                     device=self._device, compute_dtype=self._compute_dtype)
+
+    def _plan_for(self, trace_at, batch: int | None, accumulate: bool) -> Plan:
+        """The plan for the model traced by `trace_at(microbatches)` (on `batch`): the given
+        plan at the first build, else solved on rank 0 (with the parameters where they are
+        stored, after the first build; with gradient accumulation when the batch must be cut
+        to fit) and broadcast; every rank checks that all hold the same."""
+        given = self._given_plan if self._store is None else None
+        storage = self._store.placements if self._store is not None else None
+
+        def solve() -> Plan:
+            if given is not None:
+                return given
+            return solve_accumulated(trace_at, batch, self._spec, self._options,
+                                     storage=storage, accumulate=accumulate)[0]
+
+        plan = self._agreed("planning", solve, on_rank0=given is None)
+        self._check_same_plan(plan)
+        return plan
+
+    def _check_same_plan(self, plan: Plan) -> None:
+        """Every rank holds `plan` (compared by hash), or every rank raises
+        PlanMismatchError."""
+        hashes = self._control.gather_objects(plan.hash())
+        if len(set(hashes)) != 1:
+            raise agreed(PlanMismatchError(
+                "ranks hold different plans (hashes by rank: " + ", ".join(hashes) + "); pass "
+                "the same plan (or the same model, inputs and options) on every rank"))
+
+    def _agreed(self, what: str, fn, on_rank0: bool = False):
+        """`fn()` on every rank (or on rank 0, its result, a Plan, broadcast); an error anywhere
+        raises on every rank (the raising rank's own error there, a RankError elsewhere)."""
+        result, error = None, None
+        if not on_rank0 or self._control.rank == 0:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it, not hang
+                error = e
+        if on_rank0:
+            mine = None
+            if self._control.rank == 0:
+                mine = ("error", error) if error is not None else ("ok", result.to_dict())
+            box = self._control.broadcast_object(mine)
+            if box[0] == "error":
+                raise agreed(box[1])
+            return Plan.from_dict(box[1])
+        failed = [r for r, bad in enumerate(self._control.gather_objects(error is not None))
+                  if bad]
+        if error is not None:
+            raise agreed(error)
+        if failed:
+            raise agreed(RankError(f"{what} failed on rank(s) {failed} (see the error there)"))
+        return result
+
+    # -- the parameters, placed once -----------------------------------------------------------
+    def _place_parameters(self, plan: Plan) -> None:
+        """Rank 0's parameters and buffers, broadcast; each rank keeps its shards."""
+        mesh_shape = tuple(self._spec.shape)
+        replicated = tuple(Replicate() for _ in mesh_shape)
+        names = [n for n, _ in self._source.obj.named_parameters()]
+        placements = {n: tuple(plan.parameters.get(n, replicated)) for n in names}
+        self._place(placements, self._mesh_holder.obj, mesh_shape, self._coords)
+        trained = [(leaf, tuple(k for k, p in enumerate(placements[n])
+                                if isinstance(p, Replicate)))
+                   for n, leaf in self._store.leaves.items() if leaf.requires_grad]
+        self._grad_sync = GradSync(trained, self._comm.groups, mesh_shape)
+
+    def _place(self, placements: dict[str, tuple], mesh, mesh_shape, coords) -> None:
+        """Rank 0's parameters and buffers, broadcast (every rank starts from one model): this
+        rank keeps its block, at mesh `coords`, of each parameter in `placements` (in that
+        order: the order gradients are bucketed in, the same on every rank) in a
+        ParameterStore over `mesh`, and every buffer whole; all under the model's names. The
+        full model is not referenced afterwards."""
+        model = self._source.obj
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+
+        def keep(name, whole):
+            if name in placements:
+                return local_block(whole, placements[name], mesh_shape, coords)
+            return whole.clone() if name in buffers else None
+
+        local = self._agreed("initializing the parameters", lambda: local_values(
+            model, keep, self._device, self._broadcast_group(), self._init_fn))
+        self._store = ParameterStore(
+            mesh, placements, {n: local[n] for n in placements},
+            {n: params[n].requires_grad for n in placements}, self._aliases)
+        self._store.register(self)
+        persistent = persistent_buffers(model)
+        for name in buffers:
+            owner, last = skeleton_child(self, name)
+            owner.register_buffer(last, local[name], persistent=name in persistent)
+            self._buffers_whole[name] = local[name]
+        self._source = _Hidden(None)
+
+    def _broadcast_group(self):
+        """The group rank 0's tensors are broadcast over: the gloo control group on CPUs (the
+        default group otherwise)."""
+        return self._control.group if self._device.type == "cpu" else None
+
+    def _constants(self, program: TracedProgram) -> dict[str, torch.Tensor]:
+        """The program's buffers (placed once) and lifted constants (rank 0's)."""
+        out, lifted = {}, {}
+        for ph, key in program.buffers.items():
+            if key.startswith("constant:"):
+                lifted[ph] = program.constants[key].to(self._device)
+            else:
+                out[ph] = self._buffers_whole[key]
+        out.update(broadcast_from_rank0(lifted, lambda n, t: t.clone(),
+                                        self._broadcast_group()))
+        return out
+
+    def _slice_groups(self, mesh):
+        """rank -> its coordinates on the per-rank input dimensions (ranks with equal
+        coordinates receive the same slice)."""
+        names = mesh.mesh_dim_names or ()
+        dims = [k for k, n in enumerate(names) if n in self._options.per_rank_inputs]
+        where = {}
+        ranks = mesh.mesh
+        for idx in torch.cartesian_prod(*[torch.arange(s) for s in ranks.shape]).reshape(
+                -1, ranks.dim()).tolist():
+            where[int(ranks[tuple(idx)])] = tuple(idx[k] for k in dims)
+        return where.__getitem__
+
+    # -- pipelines ------------------------------------------------------------------------------
+    def _pipeline_call(self, args, kwargs, step: bool):
+        error = None
+        if kwargs:
+            error = "a pipelined model takes positional inputs only"
+        elif self._pipeline is None and not step:
+            error = ("a pipelined model is planned for training: call step() first (or pass "
+                     "example_inputs= with the target to parallelize)")
+        call = Call((), (), None)
+        if error is None:
+            try:
+                call = split_call(args, {}, with_target=step)
+            except TraceError as e:
+                error = str(e)
+        if error is None and self._pipeline is not None:
+            error = self._pipeline.check(call.args)
+        rows = self._agree_inputs(call, error, "step()" if step else "the forward call")
+        if self._pipeline is None:
+            self._build_pipeline(args)
+        self._check_random_states(self._pipeline.random_ops, rows)
+        if not self.training and self._pipeline.random_ops:
+            raise agreed(NotImplementedError(
+                "pipelined models run the program traced in training mode; this model draws "
+                "random numbers there (" + "; ".join(self._pipeline.random_ops[:3]) + "), so "
+                "eval() cannot be honoured: evaluate it without a pp mesh dimension"))
+        return self._pipeline.step(*args) if step else self._pipeline.infer(*args)
+
+    def _build_pipeline(self, example_inputs) -> PipelineModule:
+        """As `_build`, for a mesh with a "pp" dimension: each rank keeps its stages' programs,
+        cut from its local program, and runs them under the plan's pipeline schedule."""
+        spec, mesh = self._spec, self._mesh_holder.obj
+        if self._loss_fn is None:
+            raise agreed(ValueError("a pipelined model trains through step(): pass loss_fn= to "
+                                    "parallelize (pipelined inference alone is not supported)"))
+        example_inputs = tuple(example_inputs)
+        tracer = pipeline_tracer(self._meta.obj, example_inputs, self._loss_fn, self._device,
+                                 self._compute_dtype)
+        if self._given_plan is None:
+            chosen = self._agreed("planning", lambda: solve_pipeline_plan(
+                tracer, batch_size(example_inputs), spec, self._options), on_rank0=True)
+        else:
+            chosen = self._given_plan
+        self._check_same_plan(chosen)
+        pipe = chosen.pipeline
+
+        def match():
+            if pipe is None:
+                raise ValueError("the mesh has a pp dimension but the plan is not pipelined; "
+                                 "re-plan with autopar.plan on this mesh")
+            program = tracer(pipe.microbatches)
+            graph = strat_pass.build(program, spec.without(pipe.mesh_dim).shape)
+            choice = choice_from_plan(chosen, graph)
+            blocks = layer_blocks(program, graph)
+            if blocks.names != pipe.blocks:
+                raise ValueError("this model traces into other layer blocks than the plan's "
+                                 f"({blocks.names} vs {pipe.blocks}); re-plan with "
+                                 "autopar.plan")
+            return program, graph, choice, blocks
+
+        program, graph, choice, blocks = self._agreed("matching the plan to the model", match)
+        pp = pipe.mesh_dim
+        sub = spec.without(pp)
+        stage_of = blocks.stage_of(pipe.cuts, pipe.num_stages)
+        coords = self._coords
+        dims = [k for k in range(mesh.ndim) if k != pp]
+        sub_coords = tuple(coords[k] for k in dims) or (0,)
+        comm = SubmeshComm([mesh.get_group(k) for k in dims] or [None], sub.shape)
+        programs = rewrite(program, graph, choice, sub_coords, comm, prefetch=False)
+        kinds = {name: v.kind for name, v in graph.nodes.items()}
+        train = split_stages(programs.train, graph, stage_of, kinds, pipe.num_stages)
+        infer = split_stages(programs.infer, graph, stage_of, kinds, pipe.num_stages)
+        p = mesh.shape[pp]
+        mine, _, _ = stage_parameters(train + infer, program.params, p, coords[pp])
+        submesh = mesh[tuple(mesh.mesh_dim_names[k] for k in dims)] if dims else None
+        self._full_meta = {n: (tuple(t.shape), t.dtype)
+                           for n, t in self._source.obj.named_parameters()}
+        self._place({n: tuple(chosen.parameters[n]) for n in mine}, submesh, sub.shape,
+                    sub_coords)
+        constants = self._constants(program)
+        num_inputs = len(program.inputs) - 1
+        roots = [ValueMeta(tuple(ph.meta["val"].shape), ph.meta["val"].dtype, False)
+                 for ph in program.graph.nodes
+                 if ph.op == "placeholder" and ph.name in program.inputs[:num_inputs]]
+        self._pipeline = PipelineModule(
+            chosen, train, infer, program.params, self._store, constants, comm,
+            mesh.get_group(pp), coords[pp], list(program.inputs), roots, program.out_spec,
+            num_inputs, programs.loss_placement, self._device, self._full_meta,
+            self._compute_dtype)
+        self._pipeline.random_ops = program.random_ops
+        self._last_plan = chosen
+        return self._pipeline
+
+    # -- parameters and state -------------------------------------------------------------------
+    def _built(self):
+        if self._store is None:
+            raise RuntimeError("not planned yet: call step() or the model once, or pass "
+                               "example_inputs= to parallelize, before asking for parameters, "
+                               "state or the plan")
+        return self._store
+
+    @property
+    def plan(self) -> Plan:
+        """The plan that ran last (or was built last)."""
+        self._built()
+        return self._last_plan
+
+    @property
+    def plans(self) -> list[Plan]:
+        """Every plan built so far (one per mode and input shape), in the order built."""
+        self._built()
+        if self._pipeline is not None:
+            return [self._pipeline.plan]
+        return [b.plan for bs in self._runners.values() for b in bs]
+
+    def parameters(self, recurse: bool = True):
+        """This rank's shards, as DTensor parameters (what an optimizer steps)."""
+        self._built()
+        return super().parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        """This rank's shards, as DTensor parameters, by the model's parameter names."""
+        self._built()
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args, **kwargs):
+        """The model's state by its own names: parameters as DTensors (this rank's shards),
+        buffers whole."""
+        self._built()
+        return super().state_dict(*args, **kwargs)
+
+    @property
+    def control(self):
+        """The control plane all ranks agree on (autopar.runtime.control.Control)."""
+        return self._control
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state as whole plain tensors, under the names (and the order) of the
+        model's own state_dict: what a plain `model.load_state_dict` accepts, for handing the
+        model to inference (a collective: call on all ranks; every rank gets it)."""
+        whole = self.full_parameters()
+        out = {}
+        for name, value in self.state_dict().items():
+            param = self._store.alias_of(name)
+            out[name] = whole[param] if param is not None else value.detach().clone()
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a state dict by the model's names: whole plain tensors (a single-device
+        model's state_dict, or `full_state_dict()`; each rank keeps its block) or DTensors
+        (this model's `state_dict()` form). Names, shapes and dtypes must match: a mismatch is
+        an error naming the tensors, never a silent cast."""
+        store = self._built()
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        problems = []
+        if strict and missing:
+            problems.append("missing: " + ", ".join(missing))
+        if strict and unexpected:
+            problems.append("unexpected: " + ", ".join(unexpected))
+        for name in sorted(set(own) & set(state_dict)):
+            got, want = state_dict[name], own[name]
+            if tuple(got.shape) != tuple(want.shape):
+                problems.append(f"{name}: shape {tuple(got.shape)}, the model has "
+                                f"{tuple(want.shape)}")
+            elif got.dtype != want.dtype:
+                problems.append(f"{name}: dtype {got.dtype}, the model has {want.dtype}")
+        if problems:
+            raise ValueError("the state dict does not match the model:\n  " +
+                             "\n  ".join(problems))
+        with torch.no_grad():
+            for name in sorted(set(own) & set(state_dict)):
+                param = store.alias_of(name)
+                value = state_dict[name]
+                if param is None:
+                    own[name].copy_(value.full_tensor() if hasattr(value, "full_tensor")
+                                    else value)
+                else:
+                    store.load_whole(param, value)
+        return IncompatibleKeys(missing, unexpected)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter reassembled whole (a collective: call on all ranks)."""
+        if self._pipeline is not None:
+            return self._pipeline.full_parameters()
+        store = self._built()
+        return {n: store.whole(n) for n in store.params}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every gradient reassembled whole (a collective: call on all ranks); zeros for a
+        parameter without one."""
+        if self._pipeline is not None:
+            return self._pipeline.full_grads()
+        store = self._built()
+        return {n: store.whole(n, leaf.grad if leaf.grad is not None
+                               else torch.zeros_like(leaf))
+                for n, leaf in store.leaves.items()}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so that their global norm is at most `max_norm`; returns the
+        norm before clipping, the same on every rank (as torch.nn.utils.clip_grad_norm_ over
+        the single-device model's parameters). Under a pipelined plan, where
+        torch.nn.utils.clip_grad_norm_ sees only this rank's stages, this is the one to use."""
+        if self._pipeline is not None:
+            return self._pipeline.clip_grad_norm_(max_norm, norm_type)
+        total = torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+        return total.full_tensor() if hasattr(total, "full_tensor") else total
+
+    def _apply(self, fn, recurse: bool = True):
+        raise RuntimeError("a parallelized model cannot change device or dtype: call .to() / "
+                           ".double() / .cuda() on the model before autopar.parallelize")
+
+
+def _device_of(mesh) -> torch.device:
+    device = torch.device(mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _rng_signature(device: torch.device) -> int:
+    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    return signature(bytes(state.numpy()))
+
+
+def batch_size(example_inputs) -> int:
+    """The batch every input (and the target) carries as dimension 0, which microbatches
+    split."""
+    tensors = [t for t in (example_inputs if isinstance(example_inputs, (tuple, list))
+                           else (example_inputs,)) if isinstance(t, torch.Tensor)]
+    sizes = {t.shape[0] if t.dim() else None for t in tensors}
+    if len(sizes) != 1 or None in sizes:
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise ValueError("pipelining splits the batch into microbatches along dimension 0 of "
+                         f"every input and the target, which must agree; got shapes {shapes}")
+    return sizes.pop()
+
+
+def pipeline_tracer(model, example_inputs, loss_fn, device=None, dtype=None):
+    """trace_at(m): the model (a meta copy) traced on the first 1/m of the batch (cached),
+    to run on `device`."""
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
+        else (example_inputs,)
+    cache: dict[int, TracedProgram] = {}
+
+    def trace_at(m: int) -> TracedProgram:
+        if m not in cache:
+            batch = batch_size(example_inputs)
+            if m < 1 or batch % m:
+                raise StageError(f"the batch of {batch} does not split into {m} microbatches; "
+                                 "choose a divisor of the batch size")
+            part = tuple(torch.empty_like(t[:batch // m], device="meta")
+                         for t in example_inputs)
+            cache[m] = trace(model, part[:-1], loss_fn, part[-1], device=device,
+                             compute_dtype=dtype)
+        return cache[m]
+
+    return trace_at
+
+

@@ -1,0 +1,124 @@
+"""The mesh as the planner's choice: given a number of devices, try the mesh shapes and plan
+each.
+
+    plan = autopar.plan(model, autopar.Cluster(64, hardware="h100"), example, loss_fn=...)
+    plan.mesh             # the mesh chosen, e.g. (8, 8) named ("dp", "tp")
+    plan.mesh_search      # every shape tried: predicted step time and memory, or why not
+
+A candidate mesh is (pp, dp, tp) with size-1 dimensions left out: tp (the innermost
+dimension, consecutive devices) stays inside a node, where the fast link is, and divides the
+devices per node; pp cuts the model into pipeline stages (only when asked: `pipeline=True`);
+dp takes the rest. The intra-op solver decides on every non-pp dimension whether it holds data
+parallelism, FSDP, tensor parallelism or a mix, so the names only say which dimension is inside
+a node. The model is traced once for all candidates (the trace does not depend on the mesh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from autopar.solver.ilp import NoFeasiblePlan
+from autopar.solver.stages import StageError
+
+from .hardware import HardwareProfile, get_profile
+from .mesh import MeshSpec
+from .options import PlanOptions
+from .plan import Plan
+
+__all__ = ["Cluster", "candidate_meshes", "search_mesh"]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices to plan for when the mesh is the planner's to choose: how many, how many share
+    a node (default: the hardware's), what they are, and whether pipeline stages may be
+    tried."""
+
+    devices: int
+    hardware: str | HardwareProfile = "h100"
+    devices_per_node: int | None = None
+    pipeline: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.devices, int) or self.devices < 1:
+            raise ValueError(f"a cluster needs a positive number of devices, not "
+                             f"{self.devices!r}")
+        profile = get_profile(self.hardware)
+        per = self.devices_per_node or profile.devices_per_node
+        if per < 1 or (self.devices % per and per % self.devices):
+            raise ValueError(
+                f"{self.devices} devices do not fill nodes of {per}: devices_per_node must "
+                f"divide the device count (or the count divide it, for part of one node); "
+                f"e.g. {self.devices} devices in nodes of "
+                + ", ".join(str(d) for d in range(1, min(self.devices, 16) + 1)
+                            if self.devices % d == 0))
+
+    @property
+    def per_node(self) -> int:
+        """Devices per node (the hardware's unless given), at most the device count."""
+        per = self.devices_per_node or get_profile(self.hardware).devices_per_node
+        return min(per, self.devices)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_meshes(cluster: Cluster) -> list[MeshSpec]:
+    """Every (pp, dp, tp) mesh of the cluster's devices, size-1 dimensions left out: tp a
+    divisor of the devices per node, pp (with `cluster.pipeline`) a divisor of the rest."""
+    out, seen = [], set()
+    n, per = cluster.devices, cluster.per_node
+    for tp in _divisors(per):
+        rest = n // tp
+        for pp in (_divisors(rest) if cluster.pipeline else [1]):
+            dp = rest // pp
+            dims = [(s, name) for s, name in ((pp, "pp"), (dp, "dp"), (tp, "tp")) if s > 1]
+            dims = dims or [(1, "dp")]
+            if len(dims) == 1 and dims[0][1] == "tp":
+                dims = [(dims[0][0], "dp")]  # one dimension: the same mesh as all dp
+            if tuple(dims) in seen:
+                continue
+            seen.add(tuple(dims))
+            out.append(MeshSpec(tuple(s for s, _ in dims), tuple(nm for _, nm in dims),
+                                cluster.hardware, cluster.devices_per_node))
+    return out
+
+
+def search_mesh(cluster: Cluster, plan_for, options: PlanOptions) -> Plan:
+    """The best plan over `candidate_meshes(cluster)`: `plan_for(mesh)` plans one (raising
+    NoFeasiblePlan or StageError when nothing fits). Ties go to fewer, then smaller, pp and
+    tp degrees. The returned plan's `mesh_search` ranks every candidate."""
+    tried = []
+    best: Plan | None = None
+    for mesh in candidate_meshes(cluster):
+        start = time.perf_counter()
+        row = {"shape": list(mesh.shape), "names": list(mesh.names)}
+        try:
+            plan = plan_for(mesh)
+        except (NoFeasiblePlan, StageError) as e:
+            row.update(step_time=None, peak_memory=None,
+                       why=str(e).splitlines()[0][:200])
+        else:
+            row.update(step_time=plan.cost.step_time, peak_memory=plan.cost.peak_memory,
+                       why="")
+            if best is None or _better(plan, best):
+                best = plan
+        row["seconds"] = time.perf_counter() - start
+        tried.append(row)
+    tried.sort(key=lambda r: (r["step_time"] is None, r["step_time"] or 0.0))
+    if best is None:
+        reasons = "; ".join(f"{tuple(r['shape'])}: {r['why']}" for r in tried[:4])
+        raise NoFeasiblePlan(f"no mesh of {cluster.devices} {get_profile(cluster.hardware).name} "
+                             f"devices fits the model ({reasons}); use more devices, "
+                             "bf16-mixed precision or a smaller batch")
+    return dataclasses.replace(best, mesh_search=tried)
+
+
+def _better(plan: Plan, best: Plan) -> bool:
+    a, b = plan.cost.step_time, best.cost.step_time
+    if abs(a - b) > 1e-9 * max(a, b):
+        return a < b
+    return sum(plan.mesh.shape) < sum(best.mesh.shape)

@@ -1,0 +1,259 @@
+"""Random ops: each rank computes its block of what the single-device op computes from the
+same seed.
+
+A random op draws a tensor of its whole shape from the default generator. A rank that drew only
+its local shape would get a mask that is not the slice of the single-device mask, and replicas
+that are meant to differ (data-parallel shards) would draw the same one. So the lowering of a
+random op draws the whole tensor on every rank, consuming the generator exactly as the
+single-device op does (the same op, shape, dtype and memory layout), and keeps this rank's block.
+The local result is then the single-device result's block bit for bit, and every rank leaves
+the generator in the same state, so later draws stay in step too.
+
+Placements, per mesh dimension: the output is placed as the input, Replicate or Shard(any
+dimension); never a pending sum (dropout of a sum is not the sum of dropouts), except where the
+op draws nothing and is linear (dropout in eval mode or with p = 0 or 1). The ops that use only
+their input's shape (rand_like, randn_like, randint_like, bernoulli with a scalar probability)
+also take a pending sum as their input.
+
+Cost (solver/cost.py, solver/memory.py): the draw is of the whole tensor on every rank whatever
+the sharding; what backward keeps is the local block of the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..placement import local_slices
+from .registry import (
+    SAVES_NOTHING,
+    LocalContext,
+    OpCall,
+    P,
+    R,
+    Rule1D,
+    Shard,
+    TensorArg,
+    aten,
+    facts,
+    lowering,
+    register,
+)
+
+DROPOUT = aten.dropout.default
+NATIVE_DROPOUT = aten.native_dropout.default
+# Ops that draw a tensor of their input's shape and read nothing else of the input.
+DRAWN_LIKE = [aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+              aten.randint_like.low_dtype, aten.bernoulli.p]
+RANDOM_OPS = [DROPOUT, NATIVE_DROPOUT, *DRAWN_LIKE]
+# Devices where aten.dropout uses the fused native_dropout kernel (ATen's
+# `is_fused_kernel_acceptable` in aten/src/ATen/native/Dropout.cpp); elsewhere it multiplies by
+# `empty_like(input).bernoulli_(1 - p).div_(1 - p)`.
+FUSED_DROPOUT_DEVICES = ("cuda", "xpu", "lazy", "privateuseone")
+
+__all__ = ["DRAWN_LIKE", "RANDOM_OPS", "dropout_draws"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules
+# ---------------------------------------------------------------------------------------------
+
+def _placements(x: TensorArg) -> list:
+    """Shard(d) for every dimension that can be split, and Replicate."""
+    return [Shard(d) for d in range(x.ndim) if x.shape[d] > 1] + [R]
+
+
+def dropout_draws(call: OpCall) -> bool:
+    """Whether a dropout call draws a mask (training with 0 < p < 1 on a non-empty tensor);
+    otherwise it is the identity (or, with p = 1, zero) and draws nothing."""
+    p, train = call.arg(1, "p", 0.5), call.arg(2, "train", True)
+    if call.target == NATIVE_DROPOUT:
+        # native_dropout draws whenever it trains (train None means training), p = 0 or 1 too.
+        return train is not False and all(call.inputs[0].shape)
+    return bool(train) and 0 < p < 1 and all(call.inputs[0].shape)
+
+
+def drawn_elements(call: OpCall) -> int:
+    """Elements a random op draws on every rank, whatever its sharding (0 if it draws none)."""
+    if call.target in (DROPOUT, NATIVE_DROPOUT) and not dropout_draws(call):
+        return 0
+    n = 1
+    for s in call.out_shapes[0]:
+        n *= s
+    return n
+
+
+def _mask_bytes(call: OpCall, in_local, out_local, itemsize) -> float:
+    """Dropout keeps the block of its mask: one byte per element (the boolean mask of GPU
+    dropout; on a CPU it is a tensor of the input's dtype)."""
+    n = 1
+    for s in out_local[0]:
+        n *= s
+    return float(n) if dropout_draws(call) else 0.0
+
+
+facts(DROPOUT, NATIVE_DROPOUT, saves=SAVES_NOTHING, extra_saved=_mask_bytes,
+      draws=drawn_elements)
+facts(*DRAWN_LIKE, saves=SAVES_NOTHING, draws=drawn_elements)
+
+
+@register(DROPOUT)
+def dropout(call: OpCall) -> list[Rule1D]:
+    """The output placed as the input; a pending sum passes only where nothing is drawn."""
+    rules = [Rule1D((o,), o) for o in _placements(call.inputs[0])]
+    if not dropout_draws(call):
+        rules.append(Rule1D((P,), P))
+    return rules
+
+
+@register(NATIVE_DROPOUT)
+def native_dropout(call: OpCall) -> list[Rule1D]:
+    """Output and mask placed as the input. In eval mode (train=False) the output is the input
+    and the mask all ones, so a pending sum passes (the mask is the same on every rank)."""
+    rules = [Rule1D((o,), (o, o)) for o in _placements(call.inputs[0])]
+    if call.arg(2, "train", None) is False:
+        rules.append(Rule1D((P,), (P, R)))
+    return rules
+
+
+@register(*DRAWN_LIKE)
+def drawn_like(call: OpCall) -> list[Rule1D]:
+    """The output Replicate or Shard(d); the input placed alike, or a pending sum (only its
+    shape is read)."""
+    rules = []
+    for o in _placements(call.inputs[0]):
+        rules += [Rule1D((o,), o), Rule1D((P,), o)]
+    return rules
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowerings: draw whole, keep the block
+# ---------------------------------------------------------------------------------------------
+
+def _layout(x: TensorArg) -> tuple[int, ...]:
+    """The strides of `empty_like` of the single-device input: the memory order in which the
+    single-device op fills its draw (the values depend on it)."""
+    meta = torch.empty(x.shape, device="meta") if x.stride is None else \
+        torch.empty_strided(x.shape, x.stride, device="meta")
+    return tuple(torch.empty_like(meta).stride())
+
+
+def _block(call: OpCall, ctx: LocalContext) -> tuple[tuple[int, int], ...]:
+    """(start, length) per dimension of this rank's block of the (first) output."""
+    out = ctx.out_placements[0] if call.multi_output else ctx.out_placements
+    return tuple(local_slices(call.out_shapes[0], out, ctx.mesh_shape, ctx.coords))
+
+
+def _stand_in(like: torch.Tensor, shape: tuple[int, ...], layout: tuple[int, ...]
+              ) -> torch.Tensor:
+    """An uninitialized tensor of the whole shape and the single-device layout."""
+    return torch.empty_strided(shape, layout, dtype=like.dtype, device=like.device)
+
+
+def _take(whole: torch.Tensor, block: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """This rank's block of a whole draw, in storage of its own (so the whole draw is freed
+    once this op has run: autograd keeps only the block)."""
+    if all(length == size for (_, length), size in zip(block, whole.shape)):
+        return whole
+    for d, (start, length) in enumerate(block):
+        if length != whole.shape[d]:
+            whole = whole.narrow(d, start, length)
+    return whole.clone()
+
+
+def _fused(x: torch.Tensor) -> bool:
+    return x.device.type in FUSED_DROPOUT_DEVICES
+
+
+def _scale(p: float) -> float:
+    """1 / (1 - p) as native_dropout's derivative and its CPU kernel compute it (0 for p = 1)."""
+    return 0.0 if p == 1 else 1.0 / (1.0 - p)
+
+
+def _fused_scale(x: torch.Tensor, p: float) -> float:
+    """The scale the fused GPU kernel multiplies by: `accscalar_t(1) / accscalar_t(1 - p)`,
+    in float32 unless the tensor is float64."""
+    if not _fused(x) or x.dtype == torch.float64 or p == 1:
+        return _scale(p)
+    keep = torch.tensor(1.0 - p, dtype=torch.float32)
+    return float(torch.tensor(1.0, dtype=torch.float32) / keep)
+
+
+class _MaskAndScale(torch.autograd.Function):
+    """x * mask / (1 - p) computed as native_dropout computes its output on x's device, with
+    native_dropout's backward: native_dropout_backward(grad, mask, backward_scale)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mask: torch.Tensor, p: float,
+                backward_scale: float) -> torch.Tensor:
+        ctx.save_for_backward(mask)
+        ctx.backward_scale = backward_scale
+        if _fused(x):
+            return aten.native_dropout_backward(x, mask, _fused_scale(x, p))
+        # ATen's CPU kernel multiplies by the scale in the input's dtype (bfloat16: rounded).
+        return x.mul(mask).mul_(torch.tensor(_scale(p), dtype=x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        return aten.native_dropout_backward(grad, mask, ctx.backward_scale), None, None, None
+
+
+def dropout_block(x: torch.Tensor, p: float, shape: tuple[int, ...], layout: tuple[int, ...],
+                  block: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """aten.dropout(x, p, train=True) of this rank's block `x` of the whole input."""
+    if _fused(x):
+        _, mask = aten.native_dropout(_stand_in(x, shape, layout), p, True)
+        return _MaskAndScale.apply(x, _take(mask, block), p, _scale(p))
+    noise = _stand_in(x, shape, layout).bernoulli_(1 - p).div_(1 - p)
+    return x.mul(_take(noise, block))
+
+
+def native_dropout_block(x: torch.Tensor, p: float, train: bool | None,
+                         shape: tuple[int, ...], layout: tuple[int, ...],
+                         block: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """aten.native_dropout(x, p, train) of this rank's block `x` of the whole input."""
+    _, mask = aten.native_dropout(_stand_in(x, shape, layout), p, train)
+    mask = _take(mask, block)
+    # native_dropout's derivative scales by 1, not 1 / (1 - p), when train is None (it reads
+    # "not train.has_value() or not train" as eval mode); the single-device gradient does too.
+    return _MaskAndScale.apply(x, mask, p, 1.0 if train is None else _scale(p)), mask
+
+
+def drawn_like_block(op, x: torch.Tensor, args: tuple, kwargs: dict, shape: tuple[int, ...],
+                     layout: tuple[int, ...], block: tuple[tuple[int, int], ...]
+                     ) -> torch.Tensor:
+    """`op(x, *args, **kwargs)` (rand_like and the like) of this rank's block `x`."""
+    return _take(op(_stand_in(x, shape, layout), *args, **kwargs), block)
+
+
+# Where the op draws, the lowering draws from a stand-in even when the rank holds the whole
+# tensor: the local input may be laid out differently from the single-device one (a collective
+# returns it contiguous), and the draw follows the layout.
+
+@lowering(DROPOUT)
+def lower_dropout(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """Draw the whole mask, keep the block (the unchanged op where nothing is drawn)."""
+    if not dropout_draws(call):
+        return call.target, args, kwargs
+    x = call.inputs[0]
+    return dropout_block, (args[0] if args else kwargs["input"], float(call.arg(1, "p")),
+                           x.shape, _layout(x), _block(call, ctx)), {}
+
+
+@lowering(NATIVE_DROPOUT)
+def lower_native_dropout(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """Draw the whole mask, keep the block of output and mask."""
+    if not dropout_draws(call):
+        return call.target, args, kwargs
+    x = call.inputs[0]
+    return native_dropout_block, (args[0] if args else kwargs["input"], float(call.arg(1, "p")),
+                                  call.arg(2, "train", None), x.shape, _layout(x),
+                                  _block(call, ctx)), {}
+
+
+@lowering(*DRAWN_LIKE)
+def lower_drawn_like(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """Draw the whole tensor from a stand-in of the whole input, keep the block."""
+    x = call.inputs[0]
+    return drawn_like_block, (call.target, args[0], tuple(args[1:]), dict(kwargs), x.shape,
+                              _layout(x), _block(call, ctx)), {}

@@ -1,0 +1,140 @@
+"""The one module through which autopar uses PyTorch's private or version-dependent APIs.
+
+autopar supports PyTorch 2.11 to 2.13. Everything below is either private (an underscore name,
+which PyTorch may change in any release) or changed within that range; every other module of
+autopar, in every layer, imports these names from here (this module sits in the lowest layer,
+`autopar.passes`, and imports nothing of autopar). tests/test_torch_compat.py checks each one on
+a tiny example, so a PyTorch release that changes one fails there, loudly, by name.
+
+- pytrees (`torch.utils._pytree`, private): `tree_map`, `tree_leaves`, `tree_flatten`,
+  `tree_unflatten`, `TreeSpec`, and `spec_child` (TreeSpec.child(i) from 2.13; the older
+  `children_specs` list is deprecated there).
+- collectives renamed in 2.13: `all_gather_single` (before: all_gather_into_tensor) and
+  `reduce_scatter_single` (before: reduce_scatter_tensor); the old names remain, deprecated.
+  With `all_to_all_single` and `all_reduce`, the collectives autopar calls.
+- `default_store()`: the default process group's key-value store (private in distributed_c10d).
+- torch.export's grad-mode regions (higher-order ops `wrap_with_set_grad_enabled` and
+  `wrap_with_autocast`, whose argument layouts are internal): `grad_mode_region(node)`, and
+  `is_higher_order(target)` for any other higher-order op.
+- `free_unbacked_symbols` (torch.fx.experimental: sizes export could not bind to a number).
+- `ASSERTION_OPS`: the ATen ops export leaves in the graph to assert metadata.
+- `persistent_buffers(model)`: buffer names saved in state_dict (nn.Module's private set of
+  non-persistent buffers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils._pytree import (
+    TreeSpec,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
+
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+SUPPORTED = ((2, 11), (2, 13))  # the oldest and newest PyTorch (major, minor) autopar runs on
+
+
+def spec_child(spec: TreeSpec, index: int) -> TreeSpec:
+    """The spec of child `index` of a container's TreeSpec."""
+    return spec.child(index) if hasattr(spec, "child") else spec.children_specs[index]
+
+
+# -- collectives -----------------------------------------------------------------------------------
+
+if TORCH_VERSION >= (2, 13):
+    all_gather_single = dist.all_gather_single
+    reduce_scatter_single = dist.reduce_scatter_single
+else:
+    all_gather_single = dist.all_gather_into_tensor
+    reduce_scatter_single = dist.reduce_scatter_tensor
+all_to_all_single = dist.all_to_all_single
+all_reduce = dist.all_reduce
+
+
+def default_store():
+    """The key-value store the default process group was made with (torchrun's, or the
+    init_method's): where ranks leave messages for each other when collectives cannot run."""
+    return dist.distributed_c10d._get_default_store()
+
+
+# -- torch.export's graphs -------------------------------------------------------------------------
+
+_GRAD_MODE_OPS = {
+    # higher-order op -> index of its submodule argument; the submodule's inputs follow it
+    torch.ops.higher_order.wrap_with_set_grad_enabled: 1,   # (enabled, submodule, *args)
+    torch.ops.higher_order.wrap_with_autocast: 4,  # (device, dtype, enabled, cache, submodule, *)
+}
+
+ASSERTION_OPS = frozenset({
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+})
+
+
+@dataclass(frozen=True)
+class GradModeRegion:
+    """A submodule an exported graph calls under a grad-mode or autocast switch: the get_attr
+    node holding it, the arguments it is called with, whether grad is enabled inside, and the
+    autocast it runs under ((device, dtype) when an enabled autocast, else None)."""
+
+    submodule: fx.Node
+    args: tuple
+    grad_enabled: bool
+    autocast: tuple | None
+
+
+def grad_mode_region(node: fx.Node) -> GradModeRegion | None:
+    """The region `node` calls (see GradModeRegion), or None for any other node."""
+    if node.op != "call_function":
+        return None
+    position = _GRAD_MODE_OPS.get(node.target)
+    if position is None:
+        return None
+    if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+        grad, autocast = bool(node.args[0]), None
+    else:
+        grad, autocast = True, (node.args[0], node.args[1]) if node.args[2] else None
+    return GradModeRegion(node.args[position], tuple(node.args[position + 1:]), grad, autocast)
+
+
+def fake_mode():
+    """A fresh FakeTensorMode with its own shape environment (what tracing runs under)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
+def is_higher_order(target) -> bool:
+    """Whether a call_function target is a higher-order op (cond, while_loop, checkpoint...)."""
+    return getattr(target, "namespace", "") == "higher_order"
+
+
+# -- modules ---------------------------------------------------------------------------------------
+
+def persistent_buffers(model: nn.Module) -> set[str]:
+    """The names (as named_buffers gives them) of `model`'s buffers that state_dict saves."""
+    out = set()
+    for prefix, m in model.named_modules():
+        for name in m._buffers:
+            if name not in m._non_persistent_buffers_set:
+                out.add(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+__all__ = [
+    "ASSERTION_OPS", "SUPPORTED", "TORCH_VERSION", "TreeSpec", "all_gather_single", "all_reduce",
+    "all_to_all_single", "default_store", "free_unbacked_symbols", "grad_mode_region",
+    "is_higher_order", "persistent_buffers", "reduce_scatter_single", "spec_child",
+    "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten",
+]

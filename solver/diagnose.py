@@ -1,0 +1,99 @@
+"""Why no plan fits: the smallest peak any plan reaches, what dominates it, what to change.
+
+Called by the planner when the intra-op ILP finds no plan within the memory budget: it solves
+the same ILP for the least memory instead of the least time (solver/ilp.py, minimize="memory"),
+splits that plan's peak by kind (solver/memory.py) and names the largest contributors. That
+ILP is solved without the clustering (passes/cluster.py), so that a clustering which excluded
+every plan is told apart from a budget no plan meets.
+"""
+
+from __future__ import annotations
+
+from autopar.passes.strategies import PARAM, StrategyGraph
+
+from .cost import CostModel
+from .ilp import NoFeasiblePlan, solve
+from .memory import GiB, memory_split, plan_memory
+
+
+def min_memory(graph: StrategyGraph, cost: CostModel, forced: dict[str, list[int]] | None = None,
+               time_limit: float = 30.0) -> tuple[float, dict[str, int]]:
+    """The smallest memory per device over every valid plan (the intra-op ILP with memory as
+    its objective), and one plan that reaches it (strategy index per node)."""
+    try:
+        sol = solve(graph, cost, forced=forced, time_limit=time_limit, minimize="memory")
+    except NoFeasiblePlan as e:
+        raise RuntimeError(f"the minimum-memory ILP found no plan ({e})") from None
+    return plan_memory(graph, cost, sol.choice), sol.choice
+
+
+def infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
+               forced: dict[str, list[int]] | None = None) -> NoFeasiblePlan:
+    """The NoFeasiblePlan error to raise when no plan fits `budget`: its message says why (see
+    `explain_infeasible`), its `dominant` what dominates the smallest peak."""
+    try:
+        peak, index = min_memory(graph, cost, forced)
+    except RuntimeError as e:
+        return NoFeasiblePlan(f"no plan fits the memory budget of {gib(budget)} per device "
+                              f"({e})")
+    if peak <= budget:  # memory is not the reason: nothing to dominate
+        return NoFeasiblePlan(explain_infeasible(graph, cost, budget, forced, (peak, index)))
+    choice = {n: graph.nodes[n].strategies[k] for n, k in index.items()}
+    split = memory_split(graph, cost, choice)
+    dominant = max(split, key=lambda k: split[k])
+    return NoFeasiblePlan(explain_infeasible(graph, cost, budget, forced, (peak, index)),
+                          dominant)
+
+
+def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
+                       forced: dict[str, list[int]] | None = None, smallest=None) -> str:
+    """Why no plan fits `budget`: the smallest peak any plan reaches (`smallest`, (peak,
+    choice), when known), its split, what dominates it (the largest contributors) and what
+    to change; or, when some plan fits after all, that memory is not the reason."""
+    try:
+        peak, index = smallest or min_memory(graph, cost, forced)
+    except RuntimeError as e:
+        return f"no plan fits the memory budget of {gib(budget)} per device ({e})"
+    styles = " under the forced styles" if forced else ""
+    if peak <= budget:
+        return (f"no plan was found, and memory is not the reason: a plan{styles} peaks at "
+                f"{gib(peak)}, within the budget of {gib(budget)}. The clustering of the "
+                "graph (passes/cluster.py) excluded every plan the forced styles allow: an "
+                "autopar bug; please report it with the model.")
+    choice = {n: graph.nodes[n].strategies[k] for n, k in index.items()}
+    split = memory_split(graph, cost, choice)
+    dominant = max(split, key=lambda k: split[k])
+    items = []
+    for v in graph.nodes.values():
+        s = choice[v.name]
+        if dominant == "activations":
+            b = cost.activation_memory(v, s) + sum(
+                cost.edge_memory(graph, v, slot, choice[u].out(idx), s.inputs[slot])
+                for slot, (u, idx) in enumerate(v.inputs))
+            what = f"{v.name} ({v.op})"
+        elif v.kind == PARAM:
+            b = cost.param_memory_split(v, s.output)[dominant]
+            what = v.param_name or v.name
+        else:
+            continue
+        if b > 0:
+            items.append((b, what))
+    items.sort(key=lambda bw: -bw[0])
+    top = "; ".join(f"{what} {gib(b)}" for b, what in items[:3])
+    parts = ", ".join(f"{k} {gib(v)}" for k, v in split.items())
+    if dominant == "activations":
+        advice = ("use a smaller batch or sequence, gradient accumulation (microbatches=), "
+                  "more devices, or pipeline stages (a mesh dimension named \"pp\")")
+    else:
+        advice = ("shard over more devices, use mixed precision (precision=\"bf16-mixed\") or an "
+                  "optimizer with less state (optimizer=\"sgd-momentum\")")
+    return (f"no plan fits the memory budget of {gib(budget)} per device: the smallest peak any "
+            f"plan reaches{styles} is {gib(peak)} ({parts}), dominated by {dominant} (largest: "
+            f"{top}). Raise memory_budget, or {advice}.")
+
+
+def gib(b: float) -> str:
+    """Bytes for people: MiB below a GiB, GiB above."""
+    if abs(b) < GiB:
+        return f"{b / 2**20:.3f} MiB"
+    return f"{b / GiB:.3f} GiB"

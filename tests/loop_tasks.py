@@ -1,0 +1,290 @@
+"""What the gloo ranks run for tests/test_training_loop.py: the calls a training loop makes
+(gradient clipping, parameter groups by name, state_dict, train/eval, a new batch size, per-rank
+batches, keyword inputs, a model that computes its own loss), each checked against the
+single-device model trained the same way."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import autopar
+from autopar import zoo
+from tests.rank_tasks import (
+    ATOL,
+    RTOL,
+    build,
+    check_equal,
+    check_training,
+    in_float64,
+    mesh_for,
+)
+
+
+def _pair(name, mesh_shape, force=None, **options):
+    model, loss_fn, (x, y) = build(name)
+    model, (x, y) = in_float64(model, (x, y))
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn, force=force,
+                             **options)
+    return pm, ref, loss_fn, x, y
+
+
+def _same_parameters(pm, ref) -> None:
+    check_equal("parameter", pm.full_parameters(),
+                {n: p.detach() for n, p in ref.named_parameters()})
+
+
+def clip_equivalence(name, mesh_shape, force=None, pmodel_method: bool = False) -> float:
+    """torch.nn.utils.clip_grad_norm_ over pmodel.parameters() (or pmodel.clip_grad_norm_)
+    clips by the global norm, as on one device: the norms, and the parameters after the
+    clipped AdamW steps, are equal. Returns the first step's norm."""
+    pm, ref, loss_fn, x, y = _pair(name, mesh_shape, force)
+    pm.build((x, y))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    first = None
+    for _ in range(2):
+        opt.zero_grad()
+        pm.step(x, y)
+        if pmodel_method:
+            norm = pm.clip_grad_norm_(0.05)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.05)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        ref_opt.zero_grad()
+        loss_fn(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL)
+        first = first if first is not None else float(norm)
+        opt.step()
+        ref_opt.step()
+    _same_parameters(pm, ref)
+    return first
+
+
+def _groups(named):
+    decay, no_decay = [], []
+    for n, p in named:
+        (no_decay if n.endswith("bias") or ".ln" in n or "norm" in n else decay).append(p)
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def param_groups_by_name(name, mesh_shape, force=None) -> list[str]:
+    """Optimizer groups built from named_parameters() (no weight decay for biases and norms)
+    train as on one device; returns the names pmodel gives."""
+    pm, ref, loss_fn, x, y = _pair(name, mesh_shape, force)
+    pm.build((x, y))
+    names = [n for n, _ in pm.named_parameters()]
+    opt = torch.optim.AdamW(_groups(pm.named_parameters()), lr=1e-2)
+    ref_opt = torch.optim.AdamW(_groups(ref.named_parameters()), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        pm.step(x, y)
+        opt.step()
+        ref_opt.zero_grad()
+        loss_fn(ref(x), y).backward()
+        ref_opt.step()
+    _same_parameters(pm, ref)
+    return names
+
+
+def state_dict_keys(name, mesh_shape, force=None) -> tuple[list[str], list[str], list[str]]:
+    """The keys of pmodel.state_dict() and of the model's own, and the types of its values."""
+    pm, ref, loss_fn, x, y = _pair(name, mesh_shape, force)
+    pm.build((x, y))
+    sd = pm.state_dict()
+    return sorted(sd), sorted(ref.state_dict()), sorted({type(v).__name__ for v in sd.values()})
+
+
+def ranks_build_different_models(mesh_shape, force=None) -> None:
+    """Every rank builds its model from its own seed: all train rank 0's model."""
+    torch.manual_seed(0)
+    ref = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
+                                n_embd=32)).double()
+    torch.manual_seed(1000 + dist.get_rank())
+    mine = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
+                                 n_embd=32)).double()
+    if dist.get_rank() == 0:
+        mine.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(7))
+    y = torch.roll(x, -1, 1)
+    pm = autopar.parallelize(mine, mesh_for(mesh_shape), loss_fn=zoo.lm_loss, force=force)
+    loss = pm.step(x, y)
+    ref_loss = zoo.lm_loss(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    _same_parameters(pm, ref)
+    check_equal("gradient", pm.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+
+
+def new_batch_replans(name, mesh_shape, force=None) -> int:
+    """A batch of another size than planned is planned again (parameters stay put) and
+    computes what the single-device model computes; returns the number of plans built."""
+    pm, ref, loss_fn, x, y = _pair(name, mesh_shape, force)
+    for xs, ys in ((x, y), (torch.cat([x, x.flip(0)]), torch.cat([y, y.flip(0)])), (x, y)):
+        loss = pm.step(xs, ys)
+        ref.zero_grad()
+        ref_loss = loss_fn(ref(xs), ys)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        check_equal("gradient", pm.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+        for p in pm.parameters():
+            p.grad = None
+        with torch.no_grad():
+            torch.testing.assert_close(pm(xs), ref(xs), rtol=RTOL, atol=ATOL)
+    return len(pm.plans)
+
+
+def per_rank_batches(name, mesh_shape, per_rank: tuple[str, ...], force=None) -> None:
+    """Each rank passes its slice of the global batch (as a DistributedSampler over the
+    `per_rank` mesh dimensions would): loss and gradients equal the global batch's on one
+    device, and the forward call returns this rank's rows."""
+    pm, ref, loss_fn, x, y = _pair(name, mesh_shape, force, per_rank_inputs=per_rank)
+    mesh = mesh_for(mesh_shape)
+    names = mesh.mesh_dim_names
+    coords = mesh.get_coordinate()
+    index, pieces = 0, 1
+    for k, n in enumerate(names):
+        if n in per_rank:
+            index, pieces = index * mesh.shape[k] + coords[k], pieces * mesh.shape[k]
+    rows = x.shape[0] // pieces
+    xs, ys = x[index * rows:(index + 1) * rows], y[index * rows:(index + 1) * rows]
+    loss = pm.step(xs, ys)
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    check_equal("gradient", pm.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+    with torch.no_grad():
+        torch.testing.assert_close(pm(xs), ref(x)[index * rows:(index + 1) * rows],
+                                   rtol=RTOL, atol=ATOL)
+
+
+def hf_keyword_batch(mesh_shape, force=None) -> None:
+    """A Hugging Face causal LM given a dict batch with labels computes its own loss: step(**batch)
+    with no loss_fn equals model(**batch).loss and its gradients on one device."""
+    torch.manual_seed(0)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                     bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+    model = GPT2LMHeadModel(cfg).double()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), force=force)
+    loss = pm.step(**batch)
+    out = ref(**batch)
+    out.loss.backward()
+    torch.testing.assert_close(loss, out.loss.detach(), rtol=RTOL, atol=ATOL)
+    check_equal("gradient", pm.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+    with torch.no_grad():
+        got = pm(input_ids=ids, attention_mask=batch["attention_mask"])
+        want = ref(input_ids=ids, attention_mask=batch["attention_mask"])
+    torch.testing.assert_close(got.logits, want.logits, rtol=RTOL, atol=ATOL)
+
+
+def train_and_eval_modes(mesh_shape, force=None) -> None:
+    """A model with dropout: in eval mode the forward call applies none (it equals the
+    single-device model in eval mode); back in train mode, steps draw their masks as one
+    device does."""
+    model, loss_fn, (x, y) = build("hf_gpt2_dropout")
+    model, (x, y) = in_float64(model, (x, y))
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn, force=force)
+    torch.manual_seed(5)
+    loss = pm.step(x, y)
+    torch.manual_seed(5)
+    ref_loss = loss_fn(ref(x), y)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    pm.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), ref(x), rtol=RTOL, atol=ATOL)
+    eval_loss = pm.step(x, y)  # a loss in eval mode: no dropout either
+    torch.testing.assert_close(eval_loss, loss_fn(ref(x), y).detach(), rtol=RTOL, atol=ATOL)
+    pm.train()
+    ref.train()
+    torch.manual_seed(6)
+    loss = pm.step(x, y)
+    torch.manual_seed(6)
+    torch.testing.assert_close(loss, loss_fn(ref(x), y).detach(), rtol=RTOL, atol=ATOL)
+
+
+def batchnorm(mesh_shape, force=None, training: bool = False) -> None:
+    """BatchNorm equals one device: in eval mode it reads the running statistics; in training
+    mode it normalizes over the whole batch and updates the running statistics (and the
+    count of batches) as one device does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 4)).double()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    model.train(training)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=F.cross_entropy, force=force)
+    loss = pm.step(x, y)
+    ref_loss = F.cross_entropy(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    check_equal("gradient", pm.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+    loss = pm.step(x, y)  # a second step: statistics updated twice
+    loss_fn_ref = F.cross_entropy(ref(x), y)
+    torch.testing.assert_close(loss, loss_fn_ref.detach(), rtol=RTOL, atol=ATOL)
+    sd = pm.state_dict()
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(sd[f"1.{name}"], getattr(ref[1], name), rtol=RTOL, atol=ATOL)
+
+
+def accumulation_equivalence(mesh_shape, force=None, microbatches=None,
+                             budget_between: bool = False) -> int:
+    """A step that accumulates gradients over microbatches equals the big batch on one
+    device: loss, gradients, parameters after AdamW steps. The count is asked for
+    (`microbatches`), or (`budget_between`) chosen by the planner: the memory budget is set
+    between the smallest peak of one microbatch of half the batch and of the whole batch,
+    so that only accumulation fits. Returns the count the plan uses."""
+    from autopar.passes import strategies
+    from autopar.passes.trace import trace
+    from autopar.solver.cost import CostModel
+    from autopar.solver.diagnose import min_memory
+
+    torch.manual_seed(0)
+    model = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
+                                  n_embd=32)).double()
+    x = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(5))
+    y = torch.roll(x, -1, 1)
+    ref = copy.deepcopy(model)
+    budget = None
+    if budget_between:
+        spec = autopar.MeshSpec.from_device_mesh(mesh_for(mesh_shape))
+        smallest = []
+        for rows in (16, 8):
+            graph = strategies.build(trace(model, (x[:rows],), zoo.lm_loss, y[:rows]),
+                                     spec.shape)
+            smallest.append(min_memory(graph, CostModel(spec, graph=graph))[0])
+        assert smallest[1] < smallest[0], smallest
+        budget = sum(smallest) / 2
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=zoo.lm_loss, force=force,
+                             microbatches=microbatches, memory_budget=budget,
+                             example_inputs=(x, y))
+    check_training(pm, ref, zoo.lm_loss, x, y, 2)
+    return max(p.accumulation for p in pm.plans)
+
+
+def plan_chooses_the_mesh() -> list:
+    """A plan for a device count (the planner chose the mesh), saved and loaded, builds its
+    own DeviceMesh in parallelize and trains as on one device. Returns the mesh shape."""
+    model, loss_fn, (x, y) = build("gpt")
+    model, (x, y) = in_float64(model, (x, y))
+    ref = copy.deepcopy(model)
+    plan = autopar.plan(model, autopar.Cluster(dist.get_world_size(), hardware="cpu"),
+                        (x, y), loss_fn=loss_fn)
+    plan = autopar.Plan.from_dict(plan.to_dict())
+    pm = autopar.parallelize(model, plan=plan, loss_fn=loss_fn, example_inputs=(x, y))
+    check_training(pm, ref, loss_fn, x, y, 2)
+    return list(plan.mesh.shape)

@@ -1,0 +1,90 @@
+"""The planner chooses the mesh: given a device count (autopar.Cluster) it plans every
+candidate shape, keeps fast-link dimensions inside a node, and returns the fastest plan with
+the ranking of what it tried."""
+
+import pytest
+import torch
+
+import autopar
+from autopar.search import candidate_meshes
+from autopar.zoo import GPT, GPTConfig, lm_loss
+from tests import loop_tasks
+
+
+def _gpt(batch=8):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64))
+    x = torch.randint(0, 128, (batch, 32))
+    return model, (x, torch.roll(x, -1, 1))
+
+
+def test_candidates_keep_tensor_parallelism_inside_a_node():
+    cluster = autopar.Cluster(16, hardware="h100", devices_per_node=4, pipeline=True)
+    meshes = candidate_meshes(cluster)
+    shapes = {(m.shape, m.names) for m in meshes}
+    assert ((16,), ("dp",)) in shapes and ((4, 4), ("dp", "tp")) in shapes
+    assert ((2, 2, 4), ("pp", "dp", "tp")) in shapes
+    for m in meshes:
+        assert m.size == 16
+        if "tp" in m.names:
+            k = m.names.index("tp")
+            assert m.shape[k] <= 4 and m.link(k) == m.profile.intra_node
+
+
+def test_the_fastest_mesh_is_returned_with_the_ranking():
+    model, example = _gpt()
+    plan = autopar.plan(model, autopar.Cluster(8, hardware="h100"), example, loss_fn=lm_loss)
+    tried = plan.mesh_search
+    assert len(tried) == len(candidate_meshes(autopar.Cluster(8, hardware="h100")))
+    times = [r["step_time"] for r in tried if r["step_time"] is not None]
+    assert times == sorted(times) and plan.cost.step_time == pytest.approx(times[0])
+    assert list(plan.mesh.shape) == tried[0]["shape"] and plan.mesh.size == 8
+    loaded = autopar.Plan.from_dict(plan.to_dict())
+    assert loaded.mesh_search == tried
+    assert "meshes tried" in str(plan)
+
+
+def test_a_mesh_that_does_not_fit_is_ranked_with_its_reason():
+    """A budget between the smallest peaks of the candidates: the ones above it are ranked
+    last, with the reason."""
+    from autopar.passes import strategies
+    from autopar.passes.trace import trace_example
+    from autopar.solver.cost import CostModel
+    from autopar.solver.diagnose import min_memory
+
+    model, example = _gpt(batch=64)
+    cluster = autopar.Cluster(4, hardware="cpu", devices_per_node=4)
+    program = trace_example(model, example, lm_loss)
+    peaks = []
+    for mesh in candidate_meshes(cluster):
+        graph = strategies.build(program, mesh.shape)
+        peaks.append(min_memory(graph, CostModel(mesh, graph=graph))[0])
+    assert min(peaks) < max(peaks)
+    plan = autopar.plan(model, cluster, example, loss_fn=lm_loss, microbatches=1,
+                        memory_budget=(min(peaks) + max(peaks)) / 2)
+    last = plan.mesh_search[-1]
+    assert last["step_time"] is None and "no plan fits" in last["why"]
+    assert plan.cost.peak_memory <= (min(peaks) + max(peaks)) / 2
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"devices": 12, "devices_per_node": 8}, ["12 devices do not fill nodes of 8"]),
+    ({"devices": 0}, ["positive number of devices"]),
+])
+def test_bad_cluster(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        autopar.Cluster(**kwargs)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_hardware_profile_with_missing_fields():
+    d = autopar.H100.to_dict()
+    del d["memory"], d["intra_node"]
+    with pytest.raises(ValueError, match="lacks memory, intra_node"):
+        autopar.HardwareProfile.from_dict(d)
+
+
+def test_parallelize_builds_the_mesh_the_plan_chose(world4):
+    shapes = world4.run(loop_tasks.plan_chooses_the_mesh)
+    assert len({tuple(s) for s in shapes}) == 1

@@ -1,0 +1,84 @@
+"""The calls a training loop makes on a parallelized model give the numbers they give on one
+device, under every kind of plan: gradient clipping, parameter groups by name, state_dict,
+ranks that built different models, a new batch size, per-rank batches, keyword batches of a
+model that computes its own loss, train and eval modes."""
+
+import pytest
+
+from tests import loop_tasks
+
+STYLES = [None, "data", "tensor", "fsdp"]
+TWO_D = [{"dp": "data", "tp": "tensor"}, {"dp": "fsdp", "tp": "tensor"}]
+
+
+@pytest.mark.parametrize("force", STYLES, ids=lambda f: f or "solver")
+def test_clip_grad_norm_is_global(world2, force):
+    norms = world2.run(loop_tasks.clip_equivalence, "gpt", (2,), force)
+    assert len(set(norms)) == 1
+
+
+@pytest.mark.parametrize("force", TWO_D, ids=str)
+def test_clip_grad_norm_on_two_dimensions(world4, force):
+    world4.run(loop_tasks.clip_equivalence, "hf_llama", (2, 2), force)
+    world4.run(loop_tasks.clip_equivalence, "gpt", (2, 2), force, True)
+
+
+@pytest.mark.parametrize("force", ["tensor", "fsdp"])
+def test_parameter_groups_by_name(world2, force):
+    names = world2.run(loop_tasks.param_groups_by_name, "gpt", (2,), force)[0]
+    assert "h.0.attn.c_attn.weight" in names and not any("shards" in n for n in names)
+
+
+def test_state_dict_speaks_the_models_names(world4):
+    keys, model_keys, types = world4.run(loop_tasks.state_dict_keys, "hf_llama", (2, 2),
+                                         {"dp": "fsdp", "tp": "tensor"})[0]
+    assert keys == model_keys
+    assert "DTensor" in types
+
+
+@pytest.mark.parametrize("force", ["data", "fsdp", "tensor"])
+def test_ranks_that_built_different_models_train_rank0s(world2, force):
+    world2.run(loop_tasks.ranks_build_different_models, (2,), force)
+
+
+@pytest.mark.parametrize("force", [None, "fsdp"], ids=lambda f: f or "solver")
+def test_new_batch_size_is_planned_again(world2, force):
+    built = world2.run(loop_tasks.new_batch_replans, "gpt", (2,), force)[0]
+    assert built == 2  # the first shape's program is reused when it comes back
+
+
+@pytest.mark.parametrize("mesh,per_rank,force", [
+    ((2,), ("dp",), None), ((2,), ("dp",), "fsdp"), ((2, 2), ("dp",), {"tp": "tensor"}),
+    ((2, 2), ("dp", "tp"), None)], ids=str)
+def test_per_rank_batches(world2, world4, mesh, per_rank, force):
+    world = world2 if len(mesh) == 1 else world4
+    world.run(loop_tasks.per_rank_batches, "gpt", mesh, per_rank, force)
+
+
+@pytest.mark.parametrize("force", [None, "tensor"], ids=lambda f: f or "solver")
+def test_hugging_face_keyword_batch_with_labels(world2, force):
+    world2.run(loop_tasks.hf_keyword_batch, (2,), force)
+
+
+@pytest.mark.parametrize("force", ["data", "tensor"])
+def test_train_and_eval_modes(world2, force):
+    world2.run(loop_tasks.train_and_eval_modes, (2,), force)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("force", ["data", None], ids=lambda f: f or "solver")
+def test_batchnorm(world2, force, training):
+    world2.run(loop_tasks.batchnorm, (2,), force, training)
+
+
+@pytest.mark.parametrize("force", STYLES, ids=lambda f: f or "solver")
+def test_gradient_accumulation_over_microbatches(world2, force):
+    assert world2.run(loop_tasks.accumulation_equivalence, (2,), force, 4)[0] == 4
+
+
+def test_planner_accumulates_when_the_batch_does_not_fit(world2):
+    assert world2.run(loop_tasks.accumulation_equivalence, (2,), None, None, True)[0] == 2
+
+
+def test_gradient_accumulation_on_two_dimensions(world4):
+    world4.run(loop_tasks.accumulation_equivalence, (2, 2), {"dp": "fsdp", "tp": "tensor"}, 2)
