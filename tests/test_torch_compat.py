@@ -48,7 +48,10 @@ def test_grad_mode_regions_of_an_exported_graph():
     regions = [(n, torch_compat.grad_mode_region(n)) for n in gm.graph.nodes]
     regions = [(n, r) for n, r in regions if r is not None]
     assert len(regions) == 2
-    for node, (sub, args) in regions:
+    assert sorted((r.grad_enabled, r.autocast) for _, r in regions) == [(False, None),
+                                                                         (True, None)]
+    for node, region in regions:
+        sub, args = region.submodule, region.args
         assert torch_compat.is_higher_order(node.target)
         assert sub.op == "get_attr" and isinstance(getattr(gm, sub.target), torch.fx.GraphModule)
         assert [a.name for a in args] == ["x"]
