@@ -11,7 +11,16 @@ from autopar.passes import strategies as strat_pass
 from autopar.passes.cluster import cluster
 from autopar.passes.pipeline_split import layer_blocks
 from autopar.passes.placement import Placements, R, Shard, fmt, local_shape
-from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, Strategy, StrategyGraph
+from autopar.passes.strategies import (
+    CONSTANT,
+    INPUT,
+    OP,
+    PARAM,
+    SNode,
+    Strategy,
+    StrategyGraph,
+    replicated,
+)
 from autopar.passes.styles import allowed_strategies
 from autopar.passes.trace import TracedProgram
 from autopar.solver import stages as pipe
@@ -31,6 +40,7 @@ from .mesh import MeshSpec
 from .options import PlanOptions
 from .plan import Collective, OpEntry, PipelinePlan, Plan, PlanCost
 
+CHEAPER = "replicated is cheaper"
 DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
         "all_reduce": "all_reduce", "all_to_all": "all_to_all"}
 
@@ -258,7 +268,8 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
         forward += fwd
         if v.kind == OP:
             out = fmt(s.output) if not v.multi_output else [fmt(o) for o in s.output]
-            ops.append(OpEntry(v.name, v.op, [fmt(p) for p in s.inputs], out, 0, ct, v.source))
+            ops.append(OpEntry(v.name, v.op, [fmt(p) for p in s.inputs], out, 0, ct, v.source,
+                               v.module, why_replicated(v, s, mesh)))
         for slot, (u, idx) in enumerate(v.inputs):
             src, dst = choice[u].out(idx), s.inputs[slot]
             for kind, k, nbytes, t, phase in cost.edge_collectives(graph, v, slot, src, dst):
@@ -288,6 +299,15 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
                 strategies, fingerprint(graph), sol.solve_time if sol else 0.0,
                 sol.backend if sol else "given", graph.unsupported,
                 options=options or PlanOptions())
+
+
+def why_replicated(node: SNode, strategy: Strategy, mesh: MeshSpec) -> str:
+    """Why `node` runs whole on every rank under `strategy` ("" when it shards, or the mesh
+    is one device): its candidates' reason (no rule, indivisible shapes, ...) or, when it
+    had sharded candidates, that replicating is cheaper."""
+    if mesh.size == 1 or not replicated(strategy):
+        return ""
+    return node.replicated_only or CHEAPER
 
 
 def choice_from_plan(plan: Plan, graph: StrategyGraph) -> dict[str, Strategy]:
@@ -413,8 +433,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
 
     base = describe(program, graph, sub, cost, choice, memory_budget=budget, options=options)
     dims = [k for k in range(mesh.ndim) if k != pp]
-    ops = [OpEntry(o.name, o.op, o.inputs, o.output, stage_of.get(o.name, 0), o.time, o.source)
-           for o in base.ops]
+    ops = [dataclasses.replace(o, stage=stage_of.get(o.name, 0)) for o in base.ops]
     collectives = [Collective(c.kind, dims[c.mesh_dim] if c.mesh_dim < len(dims) else pp,
                               c.bytes, c.time, c.phase, c.at) for c in base.collectives]
     priced = pipe.price_pipeline(graph, cost, stages, stage_of, choice, link, sched, p, m, v)
