@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from autopar.passes.placement import Placements, fmt, parse
 
+from .explain import Explanation, explain
 from .mesh import MeshSpec
 from .options import PlanOptions
 from .table import mib, ms
@@ -166,6 +167,9 @@ class Plan:
     options: PlanOptions = field(default_factory=PlanOptions)
     accumulation: int = 1     # microbatches a step accumulates (gradient accumulation, no pp)
     mesh_search: list[dict] = field(default_factory=list)  # the meshes tried (autopar.search)
+    # each op's and parameter's chosen strategy and next best candidates, priced with the
+    # rest of the plan fixed (solver/alternatives.py; what `explain` shows)
+    alternatives: dict = field(default_factory=dict)
 
     @property
     def submesh_shape(self) -> tuple[int, ...]:
@@ -207,6 +211,7 @@ class Plan:
             "options": self.options.to_dict(),
             "accumulation": self.accumulation,
             "mesh_search": self.mesh_search,
+            "alternatives": self.alternatives,
         }
         if self.pipeline is not None:
             out["pipeline"] = asdict(self.pipeline)
@@ -227,7 +232,7 @@ class Plan:
             d.get("solver", ""), d.get("unsupported_ops", []),
             PipelinePlan(**d["pipeline"]) if d.get("pipeline") else None,
             PlanOptions.from_dict(d.get("options", {})), d.get("accumulation", 1),
-            d.get("mesh_search", []))
+            d.get("mesh_search", []), d.get("alternatives", {}))
 
     def save(self, path: str) -> None:
         """Write the plan as JSON."""
@@ -250,6 +255,13 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+    def explain(self, name: str) -> Explanation:
+        """Why `name` (an op group, a parameter, or a module such as "layers.0.self_attn")
+        runs as planned: the chosen strategy and the next best alternatives, each with its
+        compute, collectives and memory, and the constraint that ruled it out. Prints as
+        text; raises KeyError naming close matches for an unknown name."""
+        return explain(self, name)
 
     def __repr__(self) -> str:
         return (f"Plan(mesh={self.mesh.shape}, step={self.cost.step_time * 1e3:.3f} ms, "

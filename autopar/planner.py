@@ -24,6 +24,7 @@ from autopar.passes.strategies import (
 from autopar.passes.styles import allowed_strategies
 from autopar.passes.trace import TracedProgram
 from autopar.solver import stages as pipe
+from autopar.solver.alternatives import alternatives, compact
 from autopar.solver.cost import CostModel
 from autopar.solver.diagnose import infeasible
 from autopar.solver.ilp import (
@@ -139,8 +140,12 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     except NoFeasiblePlan:
         raise infeasible(graph, cost, budget, forced) from None
     choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
-    return describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
-                    options=options), graph
+    plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
+                    options=options)
+    found = alternatives(graph, cost, choice, forced=forced, discouraged=discouraged,
+                         memory_budget=budget, peak=plan.cost.peak_memory, twin=clusters.twin)
+    plan.alternatives = compact({program.params.get(n, n): rows for n, rows in found.items()})
+    return plan, graph
 
 
 def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,

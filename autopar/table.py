@@ -17,7 +17,7 @@ from autopar.passes.placement import fmt
 
 WIDTH = 120
 SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "all_to_all": "A2A",
-         "p2p": "P2P"}
+         "p2p": "P2P", "gradient_sync": "grad"}
 # OpEntry.replicated reasons, as the table's note shows them (explain gives them whole)
 NOTE = {"no sharding rule": "no rule", "replicated is cheaper": "cheaper",
         "no sharded strategy divides its shapes by the mesh": "indivisible",

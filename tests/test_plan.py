@@ -153,3 +153,26 @@ def test_mesh_links_follow_nodes():
 def test_unknown_hardware():
     with pytest.raises(ValueError, match="built-in profiles"):
         autopar.MeshSpec((2,), hardware="tpu-v9")
+
+
+def test_explain_gives_the_choice_and_the_alternatives(tmp_path):
+    plan = gpt_plan(force={"dp": "fsdp"})
+    e = plan.explain("h.0.attn.c_attn")  # a module: its ops and parameters
+    assert "h.0.attn.c_attn.weight" in e.nodes
+    text = str(e)
+    assert text.splitlines()[0].startswith("h.0.attn.c_attn: the chosen strategy")
+    assert "chosen" in text and "compute" in text and "MiB" in text
+    for rows in e.nodes.values():
+        assert rows[0]["ruled_out"] == ""  # the chosen strategy first
+        assert all(r["ruled_out"] for r in rows[1:])
+    # a forced style rules out what it excludes
+    reasons = {r["ruled_out"] for rows in e.nodes.values() for r in rows[1:]}
+    assert any(r.startswith(("forced style", "worse cost", "memory budget", "tied", "no "))
+               for r in reasons)
+    op = next(o.name for o in plan.ops if o.op.startswith("linear"))
+    assert list(plan.explain(op).nodes) == [op]
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    assert str(autopar.Plan.load(str(path)).explain(op)) == str(plan.explain(op))
+    with pytest.raises(KeyError, match="did you mean"):
+        plan.explain("h.0.attn.c_atn")
