@@ -40,6 +40,7 @@ from autopar.solver.memory import memory_split
 from .mesh import MeshSpec
 from .options import PlanOptions
 from .plan import Collective, OpEntry, PipelinePlan, Plan, PlanCost
+from .progress import Progress
 
 CHEAPER = "replicated is cheaper"
 DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
@@ -115,7 +116,10 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     for another input shape or mode of a model already running.
     """
     options = options or PlanOptions()
+    report = Progress(options.progress)
     styles = styles_by_dim(mesh, options.force)  # a bad force fails before the work
+    shape = "x".join(map(str, mesh.shape))
+    report(f"strategies for {len(program.graph.nodes)} graph nodes on mesh {shape}")
     graph = strat_pass.build(program, mesh.shape, input_placement(mesh, options))
     cost = CostModel(mesh, options.optimizer, graph=graph, precision=options.precision)
     if options.profile not in (None, False):
@@ -133,6 +137,10 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     for n, ks in kept.items():
         forced[n] = sorted(set(ks) & set(forced.get(n, ks))) or ks
     clusters = cluster(graph, program.graph_module, fold_layers=fold_layers and not kept)
+    report(f"solving: {len(graph.nodes)} nodes, "
+           f"{sum(len(v.strategies) for v in graph.nodes.values())} candidate strategies, "
+           f"{len(set(clusters.owner.values()))} decisions ({options.solver}, at most "
+           f"{options.time_limit:g} s)")
     try:
         sol = solve(graph, cost, memory_budget=budget, backend=options.solver,
                     time_limit=options.time_limit, forced=forced, discouraged=discouraged,
@@ -145,6 +153,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     found = alternatives(graph, cost, choice, forced=forced, discouraged=discouraged,
                          memory_budget=budget, peak=plan.cost.peak_memory, twin=clusters.twin)
     plan.alternatives = compact({program.params.get(n, n): rows for n, rows in found.items()})
+    report(f"solved in {sol.solve_time:.1f} s: predicted step {plan.cost.step_time * 1e3:.1f} ms")
     return plan, graph
 
 
