@@ -65,6 +65,18 @@ def test_plan_a_function_for_a_device_count(tmp_path):
     assert "meshes tried" in done.stdout and "h.0-1  x2" in done.stdout
 
 
+def test_calibrate_under_torchrun_writes_a_profile(tmp_path):
+    """A world of one process (links need more ranks to measure; the command is the same)."""
+    out = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "1", "-m", "autopar.cli", "calibrate", "--no-compute", "-o",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    from autopar.hardware import HardwareProfile
+
+    assert HardwareProfile.load(str(out)).name
+
+
 def test_calibrate_needs_torchrun():
     assert "--output" in autopar("calibrate", "--help").stdout
     done = autopar("calibrate", check=False)
