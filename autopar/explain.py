@@ -9,9 +9,10 @@ import this one).
 from __future__ import annotations
 
 import difflib
+import textwrap
 from dataclasses import dataclass
 
-from .table import SHORT, mib, ms
+from .table import SHORT, WIDTH, mib, ms
 
 SHOWN = 6  # nodes a module's explanation shows (the heaviest ops, then its parameters)
 
@@ -78,7 +79,10 @@ def explain(plan, name: str) -> Explanation:
     if len(known) > len(shown):
         lines.append(f"... {len(known) - len(shown)} more ops and parameters in {name}: "
                      "explain one of them by name")
-    return Explanation(name, {n: tables[index[n]] for n in known}, "\n".join(lines))
+    text = "\n".join(part for line in lines
+                     for part in textwrap.wrap(line, WIDTH, subsequent_indent=" " * 9,
+                                               drop_whitespace=False) or [""])
+    return Explanation(name, {n: tables[index[n]] for n in known}, text)
 
 
 def _row(row: dict, chosen: bool) -> str:
