@@ -15,6 +15,7 @@ from .options import PlanOptions
 from .parallelized import Parallelized, PlanMismatchError, batch_size, pipeline_tracer
 from .plan import Plan
 from .planner import solve_accumulated, solve_pipeline_plan
+from .progress import Progress
 from .search import Cluster, search_mesh
 
 __all__ = ["PlanMismatchError", "parallelize", "plan"]
@@ -52,8 +53,11 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=Non
                               with_target=loss_fn is not None))
     traces: dict[int, object] = {}
 
+    report = Progress(options.progress)
+
     def trace_at(m: int):  # one trace per microbatch count, for every mesh
         if m not in traces:
+            report("tracing the model" + (f" at 1/{m} of the batch" if m > 1 else ""))
             part = microbatch(call, m)
             traces[m] = trace(model, part.args, loss_fn, part.target, kwargs=dict(part.kwargs),
                               output_loss="auto", device=device,

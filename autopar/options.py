@@ -48,6 +48,9 @@ class PlanOptions:
       on_new_shape    what a call with inputs of another shape than planned does: "replan"
                       (plan once more for that shape, keeping the parameters where they are;
                       plans are cached per shape) or "raise"
+    Display:
+      progress        report planning's stages on stderr: True, False, or None (the default)
+                      when stderr is a terminal
     """
 
     memory_budget: float | None = None
@@ -64,6 +67,7 @@ class PlanOptions:
     loss_reduction: str = "mean"
     per_rank_inputs: tuple[str, ...] = ()
     on_new_shape: str = "replan"
+    progress: bool | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if isinstance(self.force, dict):  # frozen: keep a copy the caller cannot change
@@ -124,7 +128,8 @@ class PlanOptions:
         """One line for the printed plan: the options that differ from the defaults."""
         default = PlanOptions()
         parts = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                 if f.name != "profile" and getattr(self, f.name) != getattr(default, f.name)]
+                 if f.name not in ("profile", "progress")
+                 and getattr(self, f.name) != getattr(default, f.name)]
         if self.profile not in (None, False):
             parts.append("profile=measured")
         return ", ".join(parts) or "defaults"

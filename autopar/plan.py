@@ -8,15 +8,23 @@ from dataclasses import asdict, dataclass, field
 
 from autopar.passes.placement import Placements, fmt, parse
 
+from .explain import Explanation, explain
 from .mesh import MeshSpec
 from .options import PlanOptions
+from .table import mib, ms
+from .table import modules as module_table
+from .table import ops as op_table
 
 FORMAT_VERSION = 2
 
 
 @dataclass
 class OpEntry:
-    """One op group: its ATen op, the placements of its inputs and output, stage, time (s)."""
+    """One op group: its ATen op, the placements of its inputs and output, stage, time (s).
+
+    `module` is the model's module that runs it ("layers.3.mlp.up_proj"; "" for the model
+    itself); `replicated` says why an op that every rank computes whole runs so (no sharding
+    rule, no shard divides its shapes, or replicating is simply cheaper), "" when it shards."""
 
     name: str
     op: str
@@ -25,6 +33,8 @@ class OpEntry:
     stage: int
     time: float
     source: str = ""
+    module: str = ""
+    replicated: str = ""
 
 
 @dataclass
@@ -123,12 +133,12 @@ class PipelinePlan:
         for k in range(self.num_stages):
             names = self.stage_blocks(k)
             shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-            t = f"  {_ms(self.stage_time[k])} ms/microbatch" if self.stage_time else ""
+            t = f"  {ms(self.stage_time[k])} ms/microbatch" if self.stage_time else ""
             held = f", {self.in_flight[k]:g} in flight" if self.in_flight else ""
             out.append(f"  stage {k}: {len(names)} blocks ({shown}){t}{held}")
         for r, mem in enumerate(self.rank_memory):
-            out.append(f"  pp rank {r}: {_mib(sum(mem.values()))} MiB per device (" +
-                       ", ".join(f"{k} {_mib(v)}" for k, v in mem.items()) + ")")
+            out.append(f"  pp rank {r}: {mib(sum(mem.values()))} MiB per device (" +
+                       ", ".join(f"{k} {mib(v)}" for k, v in mem.items()) + ")")
         return out
 
 
@@ -157,6 +167,9 @@ class Plan:
     options: PlanOptions = field(default_factory=PlanOptions)
     accumulation: int = 1     # microbatches a step accumulates (gradient accumulation, no pp)
     mesh_search: list[dict] = field(default_factory=list)  # the meshes tried (autopar.search)
+    # each op's and parameter's chosen strategy and next best candidates, priced with the
+    # rest of the plan fixed (solver/alternatives.py; what `explain` shows)
+    alternatives: dict = field(default_factory=dict)
 
     @property
     def submesh_shape(self) -> tuple[int, ...]:
@@ -198,6 +211,7 @@ class Plan:
             "options": self.options.to_dict(),
             "accumulation": self.accumulation,
             "mesh_search": self.mesh_search,
+            "alternatives": self.alternatives,
         }
         if self.pipeline is not None:
             out["pipeline"] = asdict(self.pipeline)
@@ -218,7 +232,7 @@ class Plan:
             d.get("solver", ""), d.get("unsupported_ops", []),
             PipelinePlan(**d["pipeline"]) if d.get("pipeline") else None,
             PlanOptions.from_dict(d.get("options", {})), d.get("accumulation", 1),
-            d.get("mesh_search", []))
+            d.get("mesh_search", []), d.get("alternatives", {}))
 
     def save(self, path: str) -> None:
         """Write the plan as JSON."""
@@ -232,86 +246,23 @@ class Plan:
             return Plan.from_dict(json.load(f))
 
     # -- display -------------------------------------------------------------------------------
+    def table(self, detail: str = "modules") -> str:
+        """The plan as text: by the model's modules with identical layers folded
+        (`detail="modules"`, what print shows) or one row per op (`detail="ops"`)."""
+        if detail not in ("modules", "ops"):
+            raise ValueError(f'detail must be "modules" or "ops", not {detail!r}')
+        return module_table(self) if detail == "modules" else op_table(self)
+
     def __str__(self) -> str:
-        return render(self)
+        return self.table()
+
+    def explain(self, name: str) -> Explanation:
+        """Why `name` (an op group, a parameter, or a module such as "layers.0.self_attn")
+        runs as planned: the chosen strategy and the next best alternatives, each with its
+        compute, collectives and memory, and the constraint that ruled it out. Prints as
+        text; raises KeyError naming close matches for an unknown name."""
+        return explain(self, name)
 
     def __repr__(self) -> str:
         return (f"Plan(mesh={self.mesh.shape}, step={self.cost.step_time * 1e3:.3f} ms, "
                 f"hash={self.hash()})")
-
-
-def _ms(t: float) -> str:
-    return f"{t * 1e3:.3f}"
-
-
-def _mib(b: float) -> str:
-    return f"{b / 2**20:.1f}"
-
-
-def render(plan: Plan) -> str:
-    """The plan as one readable table, with collectives and the cost summary."""
-    names = ",".join(f"{n}={s}" for n, s in zip(plan.mesh.names, plan.mesh.shape))
-    lines = [f"autopar plan  mesh ({names}) on {plan.mesh.hardware}  hash {plan.hash()}",
-             f"solved by {plan.solver} in {plan.solve_time:.2f} s; options: "
-             f"{plan.options.summary()}", ""]
-    by_node: dict[str, list[Collective]] = {}
-    for c in plan.collectives:
-        by_node.setdefault(c.at, []).append(c)
-    rows = [("op group", "aten op", "inputs", "output", "ms", "collectives")]
-    for o in plan.ops:
-        out = o.output if isinstance(o.output, str) else "(" + ",".join(o.output) + ")"
-        coll = " ".join(f"{c.kind}[{plan.mesh.names[c.mesh_dim]}]"
-                        for c in by_node.get(o.name, []) if c.phase == "forward")
-        rows.append((o.name, o.op, " ".join(o.inputs), out, _ms(o.time), coll))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    lines.append("")
-    lines.append("parameters (storage placement):")
-    groups: dict[str, list[str]] = {}
-    for name, p in plan.parameters.items():
-        groups.setdefault(fmt(p), []).append(name)
-    for p, ns in groups.items():
-        shown = ", ".join(ns[:4]) + (f", ... ({len(ns)} in all)" if len(ns) > 4 else "")
-        lines.append(f"  {p}: {shown}")
-    lines.append("")
-    kinds: dict[tuple[str, str], list[Collective]] = {}
-    for c in plan.collectives:
-        kinds.setdefault((c.phase, c.kind), []).append(c)
-    lines.append("collectives per step:")
-    for (phase, kind), cs in sorted(kinds.items()):
-        lines.append(f"  {phase:13s} {kind:15s} x{len(cs):<4d} {_mib(sum(c.bytes for c in cs))}"
-                     f" MiB  {_ms(sum(c.time for c in cs))} ms")
-    lines.append("")
-    lines += cost_lines(plan.cost)
-    if plan.unsupported_ops:
-        lines.append(f"replicated (no sharding rule): {', '.join(plan.unsupported_ops)}")
-    if plan.mesh_search:
-        lines += ["", "meshes tried (fastest first):"]
-        for row in plan.mesh_search[:10]:
-            shape = "x".join(map(str, row["shape"])) + " " + ",".join(row["names"])
-            got = (f"{_ms(row['step_time'])} ms, {_mib(row['peak_memory'])} MiB"
-                   if row["step_time"] is not None else f"no plan: {row['why'][:70]}")
-            lines.append(f"  {shape:24s} {got}")
-    if plan.accumulation > 1:
-        lines.append(f"gradient accumulation: {plan.accumulation} microbatches a step, "
-                     "gradients synchronized once (the graph above is one microbatch)")
-    if plan.pipeline is not None:
-        lines += ["", *plan.pipeline.lines()]
-    return "\n".join(lines)
-
-
-def cost_lines(cost: PlanCost) -> list[str]:
-    """The cost summary: step time split into compute and each collective kind, memory per
-    device split by kind, against the budget."""
-    comm = ", ".join(f"{k} {_ms(v)}" for k, v in sorted(cost.communication.items()) if v)
-    split = f"forward {_ms(cost.compute_forward)}, backward " \
-        f"{_ms(cost.compute - cost.compute_forward)}; " if cost.compute_forward else ""
-    out = [f"predicted step {_ms(cost.step_time)} ms = compute {_ms(cost.compute)} ms "
-           f"({split}{cost.compute_source}) + communication {_ms(cost.communication_total)} ms "
-           f"({comm or 'none'})"]
-    mem = ", ".join(f"{k} {_mib(v)}" for k, v in cost.memory.items())
-    budget = f" of {_mib(cost.memory_budget)} MiB budget" if cost.memory_budget else ""
-    out.append(f"memory per device {_mib(cost.peak_memory)} MiB{budget} ({mem}); "
-               f"{cost.precision}, {cost.optimizer}")
-    return out

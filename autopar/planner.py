@@ -11,10 +11,20 @@ from autopar.passes import strategies as strat_pass
 from autopar.passes.cluster import cluster
 from autopar.passes.pipeline_split import layer_blocks
 from autopar.passes.placement import Placements, R, Shard, fmt, local_shape
-from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, Strategy, StrategyGraph
+from autopar.passes.strategies import (
+    CONSTANT,
+    INPUT,
+    OP,
+    PARAM,
+    SNode,
+    Strategy,
+    StrategyGraph,
+    replicated,
+)
 from autopar.passes.styles import allowed_strategies
 from autopar.passes.trace import TracedProgram
 from autopar.solver import stages as pipe
+from autopar.solver.alternatives import alternatives, compact
 from autopar.solver.cost import CostModel
 from autopar.solver.diagnose import infeasible
 from autopar.solver.ilp import (
@@ -30,7 +40,9 @@ from autopar.solver.memory import memory_split
 from .mesh import MeshSpec
 from .options import PlanOptions
 from .plan import Collective, OpEntry, PipelinePlan, Plan, PlanCost
+from .progress import Progress
 
+CHEAPER = "replicated is cheaper"
 DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
         "all_reduce": "all_reduce", "all_to_all": "all_to_all"}
 
@@ -104,7 +116,10 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     for another input shape or mode of a model already running.
     """
     options = options or PlanOptions()
+    report = Progress(options.progress)
     styles = styles_by_dim(mesh, options.force)  # a bad force fails before the work
+    shape = "x".join(map(str, mesh.shape))
+    report(f"strategies for {len(program.graph.nodes)} graph nodes on mesh {shape}")
     graph = strat_pass.build(program, mesh.shape, input_placement(mesh, options))
     cost = CostModel(mesh, options.optimizer, graph=graph, precision=options.precision)
     if options.profile not in (None, False):
@@ -122,6 +137,10 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     for n, ks in kept.items():
         forced[n] = sorted(set(ks) & set(forced.get(n, ks))) or ks
     clusters = cluster(graph, program.graph_module, fold_layers=fold_layers and not kept)
+    report(f"solving: {len(graph.nodes)} nodes, "
+           f"{sum(len(v.strategies) for v in graph.nodes.values())} candidate strategies, "
+           f"{len(set(clusters.owner.values()))} decisions ({options.solver}, at most "
+           f"{options.time_limit:g} s)")
     try:
         sol = solve(graph, cost, memory_budget=budget, backend=options.solver,
                     time_limit=options.time_limit, forced=forced, discouraged=discouraged,
@@ -129,8 +148,13 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     except NoFeasiblePlan:
         raise infeasible(graph, cost, budget, forced) from None
     choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
-    return describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
-                    options=options), graph
+    plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
+                    options=options)
+    found = alternatives(graph, cost, choice, forced=forced, discouraged=discouraged,
+                         memory_budget=budget, peak=plan.cost.peak_memory, twin=clusters.twin)
+    plan.alternatives = compact({program.params.get(n, n): rows for n, rows in found.items()})
+    report(f"solved in {sol.solve_time:.1f} s: predicted step {plan.cost.step_time * 1e3:.1f} ms")
+    return plan, graph
 
 
 def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
@@ -258,7 +282,8 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
         forward += fwd
         if v.kind == OP:
             out = fmt(s.output) if not v.multi_output else [fmt(o) for o in s.output]
-            ops.append(OpEntry(v.name, v.op, [fmt(p) for p in s.inputs], out, 0, ct, v.source))
+            ops.append(OpEntry(v.name, v.op, [fmt(p) for p in s.inputs], out, 0, ct, v.source,
+                               v.module, why_replicated(v, s, mesh)))
         for slot, (u, idx) in enumerate(v.inputs):
             src, dst = choice[u].out(idx), s.inputs[slot]
             for kind, k, nbytes, t, phase in cost.edge_collectives(graph, v, slot, src, dst):
@@ -288,6 +313,15 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
                 strategies, fingerprint(graph), sol.solve_time if sol else 0.0,
                 sol.backend if sol else "given", graph.unsupported,
                 options=options or PlanOptions())
+
+
+def why_replicated(node: SNode, strategy: Strategy, mesh: MeshSpec) -> str:
+    """Why `node` runs whole on every rank under `strategy` ("" when it shards, or the mesh
+    is one device): its candidates' reason (no rule, indivisible shapes, ...) or, when it
+    had sharded candidates, that replicating is cheaper."""
+    if mesh.size == 1 or not replicated(strategy):
+        return ""
+    return node.replicated_only or CHEAPER
 
 
 def choice_from_plan(plan: Plan, graph: StrategyGraph) -> dict[str, Strategy]:
@@ -413,8 +447,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
 
     base = describe(program, graph, sub, cost, choice, memory_budget=budget, options=options)
     dims = [k for k in range(mesh.ndim) if k != pp]
-    ops = [OpEntry(o.name, o.op, o.inputs, o.output, stage_of.get(o.name, 0), o.time, o.source)
-           for o in base.ops]
+    ops = [dataclasses.replace(o, stage=stage_of.get(o.name, 0)) for o in base.ops]
     collectives = [Collective(c.kind, dims[c.mesh_dim] if c.mesh_dim < len(dims) else pp,
                               c.bytes, c.time, c.phase, c.at) for c in base.collectives]
     priced = pipe.price_pipeline(graph, cost, stages, stage_of, choice, link, sched, p, m, v)

@@ -26,6 +26,7 @@ from .hardware import HardwareProfile, get_profile
 from .mesh import MeshSpec
 from .options import PlanOptions
 from .plan import Plan
+from .progress import Progress
 
 __all__ = ["Cluster", "candidate_meshes", "search_mesh"]
 
@@ -93,7 +94,11 @@ def search_mesh(cluster: Cluster, plan_for, options: PlanOptions) -> Plan:
     tp degrees. The returned plan's `mesh_search` ranks every candidate."""
     tried = []
     best: Plan | None = None
-    for mesh in candidate_meshes(cluster):
+    report = Progress(options.progress)
+    meshes = candidate_meshes(cluster)
+    for i, mesh in enumerate(meshes):
+        report(f"mesh {i + 1} of {len(meshes)}: "
+               + " x ".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.shape)))
         start = time.perf_counter()
         row = {"shape": list(mesh.shape), "names": list(mesh.names)}
         try:

@@ -21,9 +21,14 @@ from .placement import P, Placements, R, Shard, divisible, fmt
 from .rules import RULES, OpCall, OpFacts, Rule1D, TensorArg, facts_of, replicate_all
 from .rules.registry import UNKNOWN
 from .torch_compat import tree_leaves, tree_map
-from .trace import TracedProgram, source_line
+from .trace import TracedProgram, module_path, source_line
 
 INPUT, PARAM, CONSTANT, OP = "input", "param", "constant", "op"
+# Why an op has no sharded strategy (SNode.replicated_only).
+NO_RULE = "no sharding rule"
+INDIVISIBLE = "no sharded strategy divides its shapes by the mesh"
+WRITES = "updates state in place"
+RULE_REPLICATES = "its rule shards no input for these arguments"
 
 # Ops that create tensors from nothing but shapes; they and everything computed only from them
 # (and from buffers) are constants, computed whole on every rank.
@@ -65,6 +70,9 @@ class SNode:
     call: OpCall | None = None     # what the rule saw (None for placeholders)
     source: str = ""               # the model line, when FX recorded it
     param_name: str | None = None  # the model's parameter name (PARAM nodes)
+    module: str = ""               # the model's module that runs it ("" for the model itself)
+    # why every candidate is replicated, when none shards: NO_RULE, INDIVISIBLE or WRITES
+    replicated_only: str = ""
 
     @property
     def facts(self) -> OpFacts:
@@ -145,6 +153,13 @@ def expand_to_mesh(rules: list[Rule1D], mesh_shape: tuple[int, ...], in_shapes, 
     return out
 
 
+def replicated(strategy: Strategy) -> bool:
+    """Whether a strategy runs its op whole on every rank: every input and output
+    replicated on every mesh dimension."""
+    outs = strategy.output if isinstance(strategy.output[0], tuple) else (strategy.output,)
+    return all(isinstance(p, type(R)) for ps in (*strategy.inputs, *outs) for p in ps)
+
+
 def _all_replicated(rule: Rule1D) -> bool:
     outs = rule.output if isinstance(rule.output, tuple) else (rule.output,)
     return all(isinstance(p, type(R)) for p in (*rule.inputs, *outs))
@@ -217,10 +232,13 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
             strategies = [Strategy(tuple(tuple(R for _ in mesh_shape) for _ in in_shapes),
                                    outs if call.multi_output else outs[0])]
             kind = CONSTANT
+            why = ""
         else:
             kind = OP
+            why = INDIVISIBLE
             if node.target not in RULES:
                 unsupported.append(str(node.target))
+                why = NO_RULE
             # Repeated layers make the same calls: enumerate each distinct call once.
             key = repr((node.target, call.args, call.kwargs, call.out_shapes))
             if node.name in program.writes:
@@ -228,6 +246,7 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
                 # every rank's copy takes the single-device update.
                 strategies = expand_to_mesh(replicate_all(call), mesh_shape, in_shapes,
                                             call.out_shapes, call.multi_output)
+                why = WRITES
             else:
                 if key not in memo:
                     memo[key] = _candidates(call, mesh_shape, in_shapes)
@@ -238,7 +257,9 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
         nodes[node.name] = SNode(
             node.name, kind, _op_name(node.target), inputs, in_shapes, call.out_shapes,
             [v.dtype for v in vals], call.multi_output, req_grad, strategies, call,
-            source_line(node))
+            source_line(node), module=module_path(node, program.module_prefix),
+            replicated_only=_why_replicated(why, call) if kind == OP and all(
+                map(replicated, strategies)) else "")
     nodes = {k: v for k, v in nodes.items() if v is not None}
     flat_out = [_resolve(a) if isinstance(a, fx.Node) else None
                 for a in tree_leaves(output_node.args[0])]
@@ -262,6 +283,13 @@ def _candidates(call: OpCall, mesh_shape: tuple[int, ...], in_shapes) -> list[St
         strategies = expand_to_mesh(replicate_all(call), mesh_shape, in_shapes,
                                     call.out_shapes, call.multi_output)
     return strategies
+
+
+def _why_replicated(why: str, call: OpCall) -> str:
+    """Why an op whose every candidate is replicated has no sharded one."""
+    if why == INDIVISIBLE and not any(not _all_replicated(r) for r in RULES[call.target](call)):
+        return RULE_REPLICATES
+    return why
 
 
 def _resolve(a: fx.Node) -> tuple[str, int | None]:

@@ -349,6 +349,19 @@ def source_line(node: fx.Node) -> str:
     return ""
 
 
+def module_path(node: fx.Node, prefix: str = "") -> str:
+    """The model's module that made `node` (its innermost `nn_module_stack` entry, e.g.
+    "model.layers.3.mlp.up_proj"), without the tracing wrapper's `prefix`; "" for the model
+    itself (and for the loss function)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    if prefix and (path + ".") == prefix:
+        return ""
+    return path.removeprefix(prefix)
+
+
 def _mutation_message(what: str, where: str) -> str:
     return (f"the model updates a parameter in place ({what}){where}; autopar stores "
             "parameters sharded, so the update would land on a gathered copy. Update "

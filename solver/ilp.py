@@ -27,12 +27,13 @@ the resharding to Replicate, except from a pending sum (see `loss_sink_time`).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-
-from ortools.linear_solver import pywraplp
 
 from autopar.passes.cluster import Clustering, identity
 from autopar.passes.placement import Partial, R
@@ -182,10 +183,13 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     backend = backend.upper()
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend}; choose from {BACKENDS}")
+    from ortools.linear_solver import pywraplp  # imported when first solving: import is slow
+
     start = time.perf_counter()
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:
         raise RuntimeError(f"OR-Tools was built without the {backend} backend")
+    solver.SuppressOutput()  # no solver log or banner on the user's terminal
     solver.SetTimeLimit(int(time_limit * 1000))
     c = clustering or identity(graph)
     problem = _owner_problem(graph, cost, c, forced, discouraged)
@@ -236,7 +240,8 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
                        [float(k == hint[o]) for o, row in x.items() for k in range(len(row))])
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, gap)
-    status = solver.Solve(params)
+    with silenced_stdout():
+        status = solver.Solve(params)
     elapsed = time.perf_counter() - start
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE,
                       pywraplp.Solver.INFEASIBLE, pywraplp.Solver.MODEL_INVALID):
@@ -259,6 +264,26 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     return Solution(choice, value, elapsed, backend,
                     "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
                     solver.NumVariables(), solver.NumConstraints())
+
+
+@contextlib.contextmanager
+def silenced_stdout():
+    """Discard what native code writes to file descriptor 1 meanwhile: OR-Tools starts HiGHS
+    without passing its output options, and HiGHS prints its banner ("Running HiGHS ...
+    Copyright ...") on every solve whatever SuppressOutput says."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1 (a detached process): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @dataclass

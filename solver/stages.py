@@ -66,8 +66,6 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from ortools.sat.python import cp_model
-
 from autopar.passes.cluster import cluster
 from autopar.passes.placement import local_shape
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, Strategy, StrategyGraph
@@ -190,6 +188,8 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
     as fast). `time_limit` is CP-SAT's deterministic time, so
     the same problem always gets the same answer; the result says whether it is proven
     optimal."""
+    from ortools.sat.python import cp_model  # imported when first solving: import is slow
+
     n, num_stages = len(blocks), p * v
     if num_stages > n:
         raise StageError(too_few_blocks(blocks, num_stages, p, v))

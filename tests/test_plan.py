@@ -19,9 +19,40 @@ def gpt_plan(shape=(2, 2), hardware="cpu", **kwargs):
     return autopar.plan(model, spec, (x, x), loss_fn=lm_loss, **kwargs)
 
 
-def test_print_is_a_table_with_cost_and_collectives():
+def test_print_is_a_table_of_modules_with_layers_folded():
     plan = gpt_plan(force={"dp": "fsdp", "tp": "tensor"})
     text = str(plan)
+    lines = text.splitlines()
+    assert lines[0].startswith("autopar plan  mesh (dp=2,tp=2) on cpu")
+    assert any("R replicated, S(d) sharded on tensor dim d, P pending sum" in ln for ln in lines)
+    assert max(map(len, lines)) <= 120
+    header = next(line for line in lines if line.startswith("module"))
+    for col in ("params", "inputs -> output", "ms", "collectives"):
+        assert col in header
+    # the GPT's two blocks are planned alike: one block shown once
+    assert any(ln.startswith("h.0-1  x2") for ln in lines), text
+    assert any(ln.startswith("  attn.c_attn ") for ln in lines), text
+    assert "collectives per step:" in text and "all_gather" in text
+    assert "predicted step" in text and "memory per device" in text
+    assert "parameters (storage placement):" in text
+    assert {o.module for o in plan.ops} >= {"h.0.attn.c_attn", "h.1.mlp.c_fc"}
+
+
+def test_replicated_ops_say_why():
+    plan = gpt_plan(force={"dp": "fsdp", "tp": "tensor"})
+    why = {o.replicated for o in plan.ops}
+    assert why <= {"", "replicated is cheaper", "no sharding rule",
+                   "no sharded strategy divides its shapes by the mesh",
+                   "its rule shards no input for these arguments", "updates state in place"}
+    for o in plan.ops:
+        shards = any(c in p for p in [*o.inputs, *([o.output] if isinstance(o.output, str)
+                                                   else o.output)] for c in "SP")
+        assert bool(o.replicated) != shards, o
+
+
+def test_op_view_keeps_one_row_per_op():
+    plan = gpt_plan(force={"dp": "fsdp", "tp": "tensor"})
+    text = plan.table(detail="ops")
     assert text.splitlines()[0].startswith("autopar plan  mesh (dp=2,tp=2) on cpu")
     header = next(line for line in text.splitlines() if line.startswith("op group"))
     for col in ("aten op", "inputs", "output", "ms", "collectives"):
@@ -52,6 +83,8 @@ def test_save_load_round_trip(tmp_path):
     loaded = autopar.Plan.load(str(path))
     assert loaded.hash() == plan.hash()
     assert loaded.to_dict() == plan.to_dict()
+    assert [o.module for o in loaded.ops] == [o.module for o in plan.ops]
+    assert str(loaded) == str(plan)
     assert {k: fmt(v) for k, v in loaded.parameters.items()} == \
         {k: fmt(v) for k, v in plan.parameters.items()}
 
@@ -120,3 +153,26 @@ def test_mesh_links_follow_nodes():
 def test_unknown_hardware():
     with pytest.raises(ValueError, match="built-in profiles"):
         autopar.MeshSpec((2,), hardware="tpu-v9")
+
+
+def test_explain_gives_the_choice_and_the_alternatives(tmp_path):
+    plan = gpt_plan(force={"dp": "fsdp"})
+    e = plan.explain("h.0.attn.c_attn")  # a module: its ops and parameters
+    assert "h.0.attn.c_attn.weight" in e.nodes
+    text = str(e)
+    assert text.splitlines()[0].startswith("h.0.attn.c_attn: the chosen strategy")
+    assert "chosen" in text and "compute" in text and "MiB" in text
+    for rows in e.nodes.values():
+        assert rows[0]["ruled_out"] == ""  # the chosen strategy first
+        assert all(r["ruled_out"] for r in rows[1:])
+    # a forced style rules out what it excludes
+    reasons = {r["ruled_out"] for rows in e.nodes.values() for r in rows[1:]}
+    assert any(r.startswith(("forced style", "worse cost", "memory budget", "tied", "no "))
+               for r in reasons)
+    op = next(o.name for o in plan.ops if o.op.startswith("linear"))
+    assert list(plan.explain(op).nodes) == [op]
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    assert str(autopar.Plan.load(str(path)).explain(op)) == str(plan.explain(op))
+    with pytest.raises(KeyError, match="did you mean"):
+        plan.explain("h.0.attn.c_atn")

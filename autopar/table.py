@@ -1,0 +1,287 @@
+"""The printed plan: a table of the model's modules, identical layers folded, or one row per op.
+
+`modules(plan)` is what `print(plan)` shows: one row per module of the model (the FX node's
+`nn_module_stack`, recorded on every op as `OpEntry.module`), the blocks of a layer container
+(`layers.0`, `layers.1`, ...) that are planned alike folded into one block shown once with
+"x32", then the collectives per step and the cost. `ops(plan)` is the table of every op.
+Both take an `autopar.Plan` (duck-typed here, so that the Plan's module may import this one).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections import Counter
+from dataclasses import dataclass, field
+
+from autopar.passes.placement import fmt
+
+WIDTH = 120
+SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "all_to_all": "A2A",
+         "p2p": "P2P", "gradient_sync": "grad"}
+# OpEntry.replicated reasons, as the table's note shows them (explain gives them whole)
+NOTE = {"no sharding rule": "no rule", "replicated is cheaper": "cheaper",
+        "no sharded strategy divides its shapes by the mesh": "indivisible",
+        "updates state in place": "writes state",
+        "its rule shards no input for these arguments": "rule replicates"}
+
+
+def ms(t: float) -> str:
+    """Seconds as milliseconds, three decimals."""
+    return f"{t * 1e3:.3f}"
+
+
+def mib(b: float) -> str:
+    """Bytes as MiB, one decimal."""
+    return f"{b / 2**20:.1f}"
+
+
+def header(plan) -> list[str]:
+    """The plan's first lines: mesh, hash, solver, options, and the placement notation."""
+    names = ",".join(f"{n}={s}" for n, s in zip(plan.mesh.names, plan.mesh.shape))
+    dims = ", ".join(plan.mesh.names)
+    return [f"autopar plan  mesh ({names}) on {plan.mesh.hardware}  hash {plan.hash()}",
+            f"solved by {plan.solver} in {plan.solve_time:.2f} s; options: "
+            f"{plan.options.summary()}",
+            f"placements: one entry per mesh dimension ({dims}): R replicated, S(d) sharded on "
+            "tensor dim d, P pending sum",
+            "collectives: AG all-gather, RS reduce-scatter, AR all-reduce, A2A all-to-all, "
+            "[dim] mesh dimension, g: gradient sync"]
+
+
+# -- the module view -------------------------------------------------------------------------
+
+@dataclass
+class _Row:
+    """What one module does in one layer (or once, outside the layers)."""
+
+    params: list[str] = field(default_factory=list)      # storage placements, in order
+    ops: list = field(default_factory=list)              # OpEntry
+    collectives: list = field(default_factory=list)      # Collective
+
+    def signature(self) -> tuple:
+        return (tuple(self.params),
+                tuple((o.op, tuple(o.inputs), str(o.output), o.stage, o.replicated)
+                      for o in self.ops))
+
+
+def layer_container(paths: list[str]) -> str | None:
+    """The module whose numbered children hold the most ops' modules (`model.layers` of
+    `model.layers.3.mlp`), or None when no module has two numbered children."""
+    children: dict[str, set[str]] = {}
+    for path in paths:
+        parts = path.split(".")
+        for cut in range(1, len(parts)):
+            if parts[cut].isdigit():
+                children.setdefault(".".join(parts[:cut]), set()).add(parts[cut])
+    best = max(children, key=lambda p: (len(children[p]), -p.count(".")), default=None)
+    return best if best is not None and len(children[best]) > 1 else None
+
+
+def _split(path: str, container: str | None) -> tuple[int | None, str]:
+    """(layer index, path inside the layer) of a module, or (None, path) outside the layers."""
+    if container is not None and path.startswith(container + "."):
+        index, _, rest = path[len(container) + 1:].partition(".")
+        if index.isdigit():
+            return int(index), rest
+    return None, path
+
+
+def modules(plan) -> str:
+    """The plan grouped by the model's modules, identical layers folded (what print shows)."""
+    container = layer_container([o.module for o in plan.ops])
+    rows: dict[tuple[int | None, str], _Row] = {}
+    for o in plan.ops:
+        rows.setdefault(_split(o.module, container), _Row()).ops.append(o)
+    owner = {o.name: _split(o.module, container) for o in plan.ops}
+    for name, p in plan.parameters.items():
+        key = _split(name.rpartition(".")[0], container)
+        rows.setdefault(key, _Row()).params.append(fmt(p))
+        owner[name] = key
+    for c in plan.collectives:
+        if c.at in owner:
+            rows[owner[c.at]].collectives.append(c)
+    layers: dict[int, dict[str, _Row]] = {}
+    for (layer, rel), row in rows.items():
+        if layer is not None:
+            layers.setdefault(layer, {})[rel] = row
+    table = [("module", "params", "heaviest op: inputs -> output", "ms", "collectives",
+              "Rn: n ops replicated")]
+    done: set[int] = set()
+    for (layer, rel), row in rows.items():
+        if layer is None:
+            table.append(_cells(plan, rel or "(model)", row))
+            continue
+        if layer in done:
+            continue
+        run = _run(layers, layer)
+        done.update(run)
+        count = len(run)
+        label = f"{container}.{run[0]}" + (f"-{run[-1]}" if count > 1 else "")
+        total = sum(o.time for r in layers[layer].values() for o in r.ops) * count
+        stage = {o.stage for r in layers[layer].values() for o in r.ops}
+        where = f"stage {min(stage)}" if getattr(plan, "pipeline", None) else ""
+        table.append((label + (f"  x{count}" if count > 1 else ""), "", where, ms(total), "",
+                      "ms: all; rows: 1 layer" if count > 1 else ""))
+        for r, sub in layers[layer].items():
+            table.append(_cells(plan, "  " + (r or "(layer)"), sub))
+    lines = header(plan) + [""] + _columns(table) + [""]
+    lines += parameter_lines(plan) + [""] + collective_lines(plan) + [""]
+    lines += [part for line in cost_lines(plan.cost) + footer(plan)
+              for part in textwrap.wrap(line, WIDTH, subsequent_indent="    ") or [""]]
+    return "\n".join(_fit(line) for line in lines)
+
+
+def _run(layers: dict[int, dict[str, _Row]], first: int) -> list[int]:
+    """`first` and the layers after it planned exactly like it (consecutive indices)."""
+    sig = {r: row.signature() for r, row in layers[first].items()}
+    run = [first]
+    while run[-1] + 1 in layers and \
+            {r: row.signature() for r, row in layers[run[-1] + 1].items()} == sig:
+        run.append(run[-1] + 1)
+    return run
+
+
+def _cells(plan, label: str, row: _Row) -> tuple[str, ...]:
+    names = plan.mesh.names
+    params = ",".join(dict.fromkeys(row.params)) or "-"
+    heavy = max(row.ops, key=lambda o: o.time, default=None)
+    op = ""
+    if heavy is not None:
+        out = heavy.output if isinstance(heavy.output, str) else ",".join(heavy.output)
+        op = f"{short_op(heavy.op)}: {' '.join(heavy.inputs)} -> {out}"
+    kinds = Counter(f"{SHORT.get(c.kind, c.kind)}[{names[c.mesh_dim]}]"
+                    for c in row.collectives if c.phase == "forward")
+    grads = Counter(f"{SHORT.get(c.kind, c.kind)}[{names[c.mesh_dim]}]"
+                    for c in row.collectives if c.phase == "gradient sync")
+    coll = " ".join(k + (f"x{n}" if n > 1 else "") for k, n in kinds.items())
+    if grads:
+        coll += (" " if coll else "") + "g:" + " ".join(grads)
+    notes = Counter(NOTE.get(o.replicated, o.replicated) for o in row.ops if o.replicated)
+    note = f"R{sum(notes.values())} " + ",".join(notes) if notes else ""
+    return (label, params, op, ms(sum(o.time for o in row.ops)), coll, note)
+
+
+# Column caps: module, params, op, ms, collectives; the note takes what is left of WIDTH.
+CAPS = (30, 12, 32, 8, 20)
+
+
+def _columns(table: list[tuple[str, ...]]) -> list[str]:
+    """Aligned rows, every cell cut to its column's cap (the last to the line's width)."""
+    widths = [min(cap, max(len(r[i]) for r in table)) for i, cap in enumerate(CAPS)]
+    out = []
+    for r in table:
+        cells = [_cut(c, w) for c, w in zip(r, widths)]
+        cells[3] = cells[3].rjust(widths[3]) if r is not table[0] else cells[3].ljust(widths[3])
+        cells = [c.ljust(w) if i != 3 else c for i, (c, w) in enumerate(zip(cells, widths))]
+        out.append("  ".join([*cells, r[-1]]).rstrip())
+    return out
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 2] + ".."
+
+
+def short_op(op: str) -> str:
+    """An ATen op's name as the table shows it: no overload, no leading underscore, the
+    attention kernels as "sdpa"."""
+    name = op.split(".")[0].lstrip("_")
+    return "sdpa" if name.startswith("scaled_dot_product") else name
+
+
+def _fit(line: str) -> str:
+    return _cut(line, WIDTH)
+
+
+def parameter_lines(plan, groups: int = 4) -> list[str]:
+    """Parameters by storage placement: count, and the first names of each."""
+    by: dict[str, list[str]] = {}
+    for name, p in plan.parameters.items():
+        by.setdefault(fmt(p), []).append(name)
+    lines = [f"parameters (storage placement): {len(plan.parameters)} tensors"]
+    ranked = sorted(by.items(), key=lambda kv: -len(kv[1]))
+    for p, ns in ranked[:groups]:
+        shown = ", ".join(ns[:2]) + (f", ... ({len(ns)} in all)" if len(ns) > 2 else "")
+        lines.append(f"  {p}: {shown}")
+    if len(ranked) > groups:
+        lines.append(f"  ... {len(ranked) - groups} other placements "
+                     "(plan.table(detail=\"ops\") lists every op)")
+    return lines
+
+
+def collective_lines(plan) -> list[str]:
+    """Collectives per step, by phase and kind: how many, bytes, seconds."""
+    kinds: dict[tuple[str, str], list] = {}
+    for c in plan.collectives:
+        kinds.setdefault((c.phase, c.kind), []).append(c)
+    lines = ["collectives per step:"]
+    for (phase, kind), cs in sorted(kinds.items()):
+        lines.append(f"  {phase:13s} {kind:15s} x{len(cs):<4d} {mib(sum(c.bytes for c in cs))}"
+                     f" MiB  {ms(sum(c.time for c in cs))} ms")
+    return lines
+
+
+def footer(plan) -> list[str]:
+    """What follows the cost: unsupported ops, the meshes tried, accumulation, pipeline."""
+    lines = []
+    if plan.unsupported_ops:
+        lines.append(f"replicated (no sharding rule): {', '.join(plan.unsupported_ops)}")
+    if plan.mesh_search:
+        lines += ["", "meshes tried (fastest first):"]
+        for row in plan.mesh_search[:10]:
+            shape = "x".join(map(str, row["shape"])) + " " + ",".join(row["names"])
+            got = (f"{ms(row['step_time'])} ms, {mib(row['peak_memory'])} MiB"
+                   if row["step_time"] is not None else f"no plan: {row['why'][:70]}")
+            lines.append(f"  {shape:24s} {got}")
+    if plan.accumulation > 1:
+        lines.append(f"gradient accumulation: {plan.accumulation} microbatches a step, "
+                     "gradients synchronized once (the graph above is one microbatch)")
+    if plan.pipeline is not None:
+        lines += ["", *plan.pipeline.lines()]
+    return lines
+
+
+# -- the op view -----------------------------------------------------------------------------
+
+def ops(plan) -> str:
+    """The plan as one row per op group, with collectives and the cost summary."""
+    lines = header(plan) + [""]
+    by_node: dict[str, list] = {}
+    for c in plan.collectives:
+        by_node.setdefault(c.at, []).append(c)
+    rows = [("op group", "aten op", "inputs", "output", "ms", "collectives", "replicated")]
+    for o in plan.ops:
+        out = o.output if isinstance(o.output, str) else "(" + ",".join(o.output) + ")"
+        coll = " ".join(f"{c.kind}[{plan.mesh.names[c.mesh_dim]}]"
+                        for c in by_node.get(o.name, []) if c.phase == "forward")
+        rows.append((o.name, o.op, " ".join(o.inputs), out, ms(o.time), coll,
+                     NOTE.get(o.replicated, o.replicated)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    lines.append("")
+    lines.append("parameters (storage placement):")
+    groups: dict[str, list[str]] = {}
+    for name, p in plan.parameters.items():
+        groups.setdefault(fmt(p), []).append(name)
+    for p, ns in groups.items():
+        shown = ", ".join(ns[:4]) + (f", ... ({len(ns)} in all)" if len(ns) > 4 else "")
+        lines.append(f"  {p}: {shown}")
+    lines.append("")
+    lines += collective_lines(plan) + [""] + cost_lines(plan.cost) + footer(plan)
+    return "\n".join(lines)
+
+
+def cost_lines(cost) -> list[str]:
+    """The cost summary (a PlanCost): step time split into compute and each collective kind,
+    memory per device split by kind, against the budget."""
+    comm = ", ".join(f"{k} {ms(v)}" for k, v in sorted(cost.communication.items()) if v)
+    split = f"forward {ms(cost.compute_forward)}, backward " \
+        f"{ms(cost.compute - cost.compute_forward)}; " if cost.compute_forward else ""
+    out = [f"predicted step {ms(cost.step_time)} ms = compute {ms(cost.compute)} ms "
+           f"({split}{cost.compute_source}) + communication {ms(cost.communication_total)} ms "
+           f"({comm or 'none'})"]
+    mem = ", ".join(f"{k} {mib(v)}" for k, v in cost.memory.items())
+    budget = f" of {mib(cost.memory_budget)} MiB budget" if cost.memory_budget else ""
+    out.append(f"memory per device {mib(cost.peak_memory)} MiB{budget} ({mem}); "
+               f"{cost.precision}, {cost.optimizer}")
+    return out

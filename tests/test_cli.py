@@ -1,0 +1,88 @@
+"""The `autopar` command, each subcommand run as a user runs it: in a process of its own."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from autopar.zoo import GPT, GPTConfig, lm_loss
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 32}
+
+
+def tiny_gpt():
+    """What `autopar plan tests.test_cli:tiny_gpt` builds: (model, inputs, loss_fn)."""
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    x = torch.randint(0, 64, (4, 16))
+    return model, (x, x), lm_loss
+
+
+def autopar(*args, check=True):
+    done = subprocess.run([sys.executable, "-m", "autopar.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_plan_from_a_config(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    out = tmp_path / "plan.json"
+    done = autopar("plan", str(config), "--mesh", "2x2", "--names", "dp,tp", "--hardware",
+                   "cpu", "--batch", "4", "--seq", "16", "--precision", "fp32", "-o", str(out))
+    assert "model.layers.0-1  x2" in done.stdout and "predicted step" in done.stdout
+    assert "Running HiGHS" not in done.stdout
+    assert done.stderr.count("autopar [") == 0  # not a terminal: no progress
+    saved = json.loads(out.read_text())
+    assert saved["mesh"]["shape"] == [2, 2]
+
+
+def test_show_and_explain_a_saved_plan(tmp_path):
+    import autopar as ap
+
+    model, inputs, loss_fn = tiny_gpt()
+    plan = ap.plan(model, ap.MeshSpec((2, 2), names=("dp", "tp"), hardware="cpu"), inputs,
+                   loss_fn=loss_fn)
+    out = tmp_path / "plan.json"
+    plan.save(str(out))
+    assert autopar("show", str(out)).stdout.strip() == str(plan)
+    assert "op group" in autopar("show", str(out), "--detail", "ops").stdout
+    explained = autopar("explain", str(out), "h.0.mlp.c_fc").stdout
+    assert "chosen" in explained and "h.0.mlp.c_fc.weight" in explained
+    missing = autopar("explain", str(out), "h.0.mlp.c_f", check=False)
+    assert missing.returncode == 2 and "did you mean" in missing.stderr
+
+
+def test_plan_a_function_for_a_device_count(tmp_path):
+    done = autopar("plan", "tests.test_cli:tiny_gpt", "--devices", "4", "--hardware", "cpu",
+                   "--precision", "fp32", "-q")
+    assert "meshes tried" in done.stdout and "h.0-1  x2" in done.stdout
+
+
+def test_calibrate_under_torchrun_writes_a_profile(tmp_path):
+    """A world of one process (links need more ranks to measure; the command is the same)."""
+    out = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "1", "-m", "autopar.cli", "calibrate", "--no-compute", "-o",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    from autopar.hardware import HardwareProfile
+
+    assert HardwareProfile.load(str(out)).name
+
+
+def test_calibrate_needs_torchrun():
+    assert "--output" in autopar("calibrate", "--help").stdout
+    done = autopar("calibrate", check=False)
+    assert done.returncode == 2 and "torchrun" in done.stderr
+
+
+def test_bad_arguments_are_errors_naming_them():
+    done = autopar("plan", "gpt2", "--mesh", "8y8", check=False)
+    assert done.returncode == 2 and "--mesh '8y8'" in done.stderr
