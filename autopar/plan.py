@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from autopar.passes.placement import Placements, fmt, parse
+from autopar.passes.recompute import NONE as NO_RECOMPUTE
+from autopar.passes.recompute import Recompute
 
 from .mesh import MeshSpec
 from .options import PlanOptions
@@ -157,6 +159,7 @@ class Plan:
     options: PlanOptions = field(default_factory=PlanOptions)
     accumulation: int = 1     # microbatches a step accumulates (gradient accumulation, no pp)
     mesh_search: list[dict] = field(default_factory=list)  # the meshes tried (autopar.search)
+    recompute: Recompute = NO_RECOMPUTE  # ops recomputed in backward (passes/recompute.py)
 
     @property
     def submesh_shape(self) -> tuple[int, ...]:
@@ -173,7 +176,8 @@ class Plan:
         what runs); equal plans, equal hash."""
         decision = {"mesh": list(self.mesh.shape), "graph": self.graph_fingerprint,
                     "strategies": self.strategies, "options": self.options.decision(),
-                    "accumulation": self.accumulation}
+                    "accumulation": self.accumulation,
+                    "recompute": sorted(self.recompute.mode_of.items())}
         if self.pipeline is not None:
             decision["pipeline"] = self.pipeline.decision()
         payload = json.dumps(decision, sort_keys=True)
@@ -198,6 +202,7 @@ class Plan:
             "options": self.options.to_dict(),
             "accumulation": self.accumulation,
             "mesh_search": self.mesh_search,
+            "recompute": self.recompute.to_dict(),
         }
         if self.pipeline is not None:
             out["pipeline"] = asdict(self.pipeline)
@@ -218,7 +223,7 @@ class Plan:
             d.get("solver", ""), d.get("unsupported_ops", []),
             PipelinePlan(**d["pipeline"]) if d.get("pipeline") else None,
             PlanOptions.from_dict(d.get("options", {})), d.get("accumulation", 1),
-            d.get("mesh_search", []))
+            d.get("mesh_search", []), Recompute.from_dict(d.get("recompute")))
 
     def save(self, path: str) -> None:
         """Write the plan as JSON."""
@@ -293,12 +298,30 @@ def render(plan: Plan) -> str:
             got = (f"{_ms(row['step_time'])} ms, {_mib(row['peak_memory'])} MiB"
                    if row["step_time"] is not None else f"no plan: {row['why'][:70]}")
             lines.append(f"  {shape:24s} {got}")
+    lines += recompute_lines(plan.recompute)
     if plan.accumulation > 1:
         lines.append(f"gradient accumulation: {plan.accumulation} microbatches a step, "
                      "gradients synchronized once (the graph above is one microbatch)")
     if plan.pipeline is not None:
         lines += ["", *plan.pipeline.lines()]
     return "\n".join(lines)
+
+
+def recompute_lines(r: Recompute) -> list[str]:
+    """Which blocks recompute their activations in backward, and how."""
+    out = []
+    if r.mode_of:
+        names = list(r.blocks)
+        shown = ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]}"
+        modes = "/".join(sorted(set(r.mode_of.values())))
+        out.append(f"recomputation: {modes} in {len(names)} block{'s' * (len(names) != 1)} "
+                   f"({shown}), {len(r.mode_of)} ops")
+    if r.user:
+        shown = ", ".join(r.user[:4]) + (" ..." if len(r.user) > 4 else "")
+        out.append(f"the model's torch.utils.checkpoint regions ({shown}) "
+                   + ("recompute in full" if r.user_kept else
+                      "do not recompute: the plan (recompute=\"none\") decided otherwise"))
+    return out
 
 
 def cost_lines(cost: PlanCost) -> list[str]:
@@ -310,7 +333,8 @@ def cost_lines(cost: PlanCost) -> list[str]:
     out = [f"predicted step {_ms(cost.step_time)} ms = compute {_ms(cost.compute)} ms "
            f"({split}{cost.compute_source}) + communication {_ms(cost.communication_total)} ms "
            f"({comm or 'none'})"]
-    mem = ", ".join(f"{k} {_mib(v)}" for k, v in cost.memory.items())
+    mem = ", ".join(f"{k} {_mib(v)}" for k, v in cost.memory.items()
+                    if v or k != "recomputed")
     budget = f" of {_mib(cost.memory_budget)} MiB budget" if cost.memory_budget else ""
     out.append(f"memory per device {_mib(cost.peak_memory)} MiB{budget} ({mem}); "
                f"{cost.precision}, {cost.optimizer}")

@@ -42,7 +42,7 @@ def infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
     split = memory_split(graph, cost, choice)
     dominant = max(split, key=lambda k: split[k])
     return NoFeasiblePlan(explain_infeasible(graph, cost, budget, forced, (peak, index)),
-                          dominant)
+                          dominant, peak - split["activations"] - split["recomputed"] < budget)
 
 
 def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
@@ -66,7 +66,7 @@ def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
     items = []
     for v in graph.nodes.values():
         s = choice[v.name]
-        if dominant == "activations":
+        if dominant in ("activations", "recomputed"):
             b = cost.activation_memory(v, s) + sum(
                 cost.edge_memory(graph, v, slot, choice[u].out(idx), s.inputs[slot])
                 for slot, (u, idx) in enumerate(v.inputs))
@@ -81,7 +81,7 @@ def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
     items.sort(key=lambda bw: -bw[0])
     top = "; ".join(f"{what} {gib(b)}" for b, what in items[:3])
     parts = ", ".join(f"{k} {gib(v)}" for k, v in split.items())
-    if dominant == "activations":
+    if dominant in ("activations", "recomputed"):
         advice = ("use a smaller batch or sequence, gradient accumulation (microbatches=), "
                   "more devices, or pipeline stages (a mesh dimension named \"pp\")")
     else:
