@@ -333,8 +333,7 @@ def cost_lines(cost: PlanCost) -> list[str]:
     out = [f"predicted step {_ms(cost.step_time)} ms = compute {_ms(cost.compute)} ms "
            f"({split}{cost.compute_source}) + communication {_ms(cost.communication_total)} ms "
            f"({comm or 'none'})"]
-    mem = ", ".join(f"{k} {_mib(v)}" for k, v in cost.memory.items()
-                    if v or k != "recomputed")
+    mem = ", ".join(f"{k} {_mib(v)}" for k, v in cost.memory.items())
     budget = f" of {_mib(cost.memory_budget)} MiB budget" if cost.memory_budget else ""
     out.append(f"memory per device {_mib(cost.peak_memory)} MiB{budget} ({mem}); "
                f"{cost.precision}, {cost.optimizer}")

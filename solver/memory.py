@@ -388,7 +388,8 @@ def parameter_bytes(cost: Prices, node: SNode, storage) -> dict[str, float]:
 
 def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
                  ) -> dict[str, float]:
-    """Bytes per device of a complete assignment, by kind; sums to the ILP's memory."""
+    """Bytes per device of a complete assignment, by kind (KINDS; "recomputed" only when
+    something recomputes); sums to the ILP's memory."""
     out = dict.fromkeys(KINDS, 0.0)
     for v in graph.nodes.values():
         s = choice[v.name]
@@ -404,6 +405,8 @@ def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
             for slot, (u, idx) in enumerate(v.inputs)])
         out["activations"] += act - again
         out["recomputed"] += again
+    if not out["recomputed"]:  # only plans that recompute have the kind
+        del out["recomputed"]
     return out
 
 
