@@ -14,6 +14,7 @@ from typing import Any
 SOLVERS = ("HIGHS", "SCIP", "CBC", "CP_SAT", "random")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ON_NEW_SHAPE = ("replan", "raise")
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,12 @@ class PlanOptions:
                       MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))
       profile         True to time ops on this machine (cached; see autopar.profile), or an
                       autopar.profile.OpProfiler; None for the roofline
+    Recomputation:
+      recompute       "none", "selective" (keep products' and attention's outputs, recompute
+                      the rest) or "full" (keep each block's inputs only), for every layer
+                      block; None (the default): the planner recomputes only when the plan
+                      does not fit otherwise, choosing the fastest that fits. Blocks the model
+                      runs under torch.utils.checkpoint recompute in full unless "none".
     Microbatches:
       microbatches    on a mesh without "pp": gradient accumulation over that many
                       microbatches a step (None: the planner accumulates only when the whole
@@ -61,6 +68,7 @@ class PlanOptions:
     optimizer: str = "adamw"
     precision: str = "fp32"
     profile: Any = field(default=None, compare=False)
+    recompute: str | None = None
     microbatches: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
@@ -82,6 +90,8 @@ class PlanOptions:
         _one_of("loss_reduction", self.loss_reduction, ("mean", "sum"))
         _one_of("precision", self.precision, ("fp32", "bf16-mixed"))
         _one_of("on_new_shape", self.on_new_shape, ON_NEW_SHAPE)
+        if self.recompute is not None:
+            _one_of("recompute", self.recompute, RECOMPUTE)
         if self.microbatches is not None and self.microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, not {self.microbatches}")
 

@@ -35,6 +35,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar.passes import strategies as strat_pass
 from autopar.passes.pipeline_split import ValueMeta, layer_blocks, split_stages
+from autopar.passes.recompute_regions import wrap_recomputed
 from autopar.passes.rewrite import rewrite
 from autopar.passes.torch_compat import persistent_buffers
 from autopar.passes.trace import TracedProgram, TraceError, meta_copy, trace
@@ -274,6 +275,8 @@ class Parallelized(nn.Module):
             first = next(iter(graph.nodes[n] for n in program.inputs))
             per_rank = (placement, first.out_shapes[0][0])
         programs = rewrite(program, graph, choice, self._coords, self._comm, per_rank)
+        if programs.train is not None:  # the blocks the plan recomputes run under checkpoint
+            wrap_recomputed(programs.train, plan.recompute)
         constants = self._constants(program)
         runner = ParallelModule(plan, programs, program.params, self._store, constants,
                                 list(program.inputs), self._comm, self._grad_sync,

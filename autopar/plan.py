@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from autopar.passes.placement import Placements, fmt, parse
+from autopar.passes.recompute import NONE as NO_RECOMPUTE
+from autopar.passes.recompute import Recompute
 
 from .explain import Explanation, explain
 from .mesh import MeshSpec
@@ -170,6 +172,7 @@ class Plan:
     # each op's and parameter's chosen strategy and next best candidates, priced with the
     # rest of the plan fixed (solver/alternatives.py; what `explain` shows)
     alternatives: dict = field(default_factory=dict)
+    recompute: Recompute = NO_RECOMPUTE  # ops recomputed in backward (passes/recompute.py)
 
     @property
     def submesh_shape(self) -> tuple[int, ...]:
@@ -186,7 +189,8 @@ class Plan:
         what runs); equal plans, equal hash."""
         decision = {"mesh": list(self.mesh.shape), "graph": self.graph_fingerprint,
                     "strategies": self.strategies, "options": self.options.decision(),
-                    "accumulation": self.accumulation}
+                    "accumulation": self.accumulation,
+                    "recompute": sorted(self.recompute.mode_of.items())}
         if self.pipeline is not None:
             decision["pipeline"] = self.pipeline.decision()
         payload = json.dumps(decision, sort_keys=True)
@@ -212,6 +216,7 @@ class Plan:
             "accumulation": self.accumulation,
             "mesh_search": self.mesh_search,
             "alternatives": self.alternatives,
+            "recompute": self.recompute.to_dict(),
         }
         if self.pipeline is not None:
             out["pipeline"] = asdict(self.pipeline)
@@ -232,7 +237,8 @@ class Plan:
             d.get("solver", ""), d.get("unsupported_ops", []),
             PipelinePlan(**d["pipeline"]) if d.get("pipeline") else None,
             PlanOptions.from_dict(d.get("options", {})), d.get("accumulation", 1),
-            d.get("mesh_search", []), d.get("alternatives", {}))
+            d.get("mesh_search", []), d.get("alternatives", {}),
+            Recompute.from_dict(d.get("recompute")))
 
     def save(self, path: str) -> None:
         """Write the plan as JSON."""

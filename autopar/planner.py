@@ -11,6 +11,8 @@ from autopar.passes import strategies as strat_pass
 from autopar.passes.cluster import cluster
 from autopar.passes.pipeline_split import layer_blocks
 from autopar.passes.placement import Placements, R, Shard, fmt, local_shape
+from autopar.passes.recompute import NONE as NO_RECOMPUTE
+from autopar.passes.recompute import recompute_plan
 from autopar.passes.strategies import (
     CONSTANT,
     INPUT,
@@ -38,7 +40,7 @@ from autopar.solver.ilp import (
 from autopar.solver.memory import memory_split
 
 from .mesh import MeshSpec
-from .options import PlanOptions
+from .options import RECOMPUTE, PlanOptions
 from .plan import Collective, OpEntry, PipelinePlan, Plan, PlanCost
 from .progress import Progress
 
@@ -107,7 +109,8 @@ def _dims(mesh: MeshSpec) -> str:
 
 def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | None = None, *,
                storage: dict[str, Placements] | None = None,
-               fold_layers: bool = True) -> tuple[Plan, StrategyGraph]:
+               fold_layers: bool = True, recompute: str | None = None
+               ) -> tuple[Plan, StrategyGraph]:
     """Build strategies, solve the ILP and describe the result.
 
     `options.solver == "random"` draws a valid plan instead (seeded by `options.seed`): any
@@ -121,7 +124,11 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     shape = "x".join(map(str, mesh.shape))
     report(f"strategies for {len(program.graph.nodes)} graph nodes on mesh {shape}")
     graph = strat_pass.build(program, mesh.shape, input_placement(mesh, options))
-    cost = CostModel(mesh, options.optimizer, graph=graph, precision=options.precision)
+    mode = recompute or options.recompute or "none"
+    r = recompute_plan(program, graph, mode, keep_user=options.recompute != "none") \
+        if program.has_loss else NO_RECOMPUTE
+    cost = CostModel(mesh, options.optimizer, graph=graph, precision=options.precision,
+                     recompute=r)
     if options.profile not in (None, False):
         cost = cost.copy(measured=profiler(options.profile).measure(graph, cost))
     budget = options.memory_budget
@@ -165,7 +172,10 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
     `trace_at(m)` traces the model on 1/m of the batch (`batch`: dimension 0 of every input
     and the target, or None when they share none). With `options.microbatches` that many;
     otherwise the whole batch, and when no plan fits because activations dominate, 2, 3, ...
-    microbatches (divisors of the batch), the fewest that fit. Returns the plan (its
+    microbatches (divisors of the batch), the fewest that fit. Activation recomputation
+    (`options.recompute`; when None, none, then selective, then full, for each microbatch
+    count, while activations keep the plan from fitting) is the other way to fit: of the plans
+    that fit, the one with the shortest step wins. Returns the plan (its
     `accumulation`; its cost for the whole step, gradients synchronized once), the strategy
     graph and the traced program of one microbatch. Without `accumulate` (an inference
     program) the whole batch, always."""
@@ -182,23 +192,41 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
         counts = [options.microbatches]
     else:
         counts = pipe.divisors(batch, batch) if batch else [1]
-    error = None
+    # Recomputation levels, cheapest first: only what the model checkpoints itself, then
+    # selective, then full recomputation of every layer block.
+    levels = ["none"] if not accumulate else \
+        [options.recompute] if options.recompute is not None else list(RECOMPUTE)
+    error, found, tried = None, [], 0
     for m in counts:
         program = trace_at(m)
-        try:
-            plan, graph = solve_plan(program, mesh, options, storage=storage)
-        except NoFeasiblePlan as e:
-            error = e
-            if options.microbatches is None and e.dominant == "activations":
-                continue
-            if m == 1:
-                raise
-            raise NoFeasiblePlan(f"with gradient accumulation over {m} microbatches (the "
-                                 f"fewest that shrink the activations enough): {e}",
-                                 e.dominant) from None
-        return accumulated(plan, m), graph, program
-    raise NoFeasiblePlan(f"{error} (tried gradient accumulation up to {counts[-1]} "
-                         "microbatches)", error.dominant) from None
+        tried = m
+        for level in levels:
+            try:
+                plan, graph = solve_plan(program, mesh, options, storage=storage,
+                                         recompute=level)
+            except NoFeasiblePlan as e:
+                error = e
+                if e.activations_matter:
+                    continue  # recompute more, or split the batch further
+                if found:
+                    break
+                if m == 1:
+                    raise
+                raise NoFeasiblePlan(f"with gradient accumulation over {m} microbatches (the "
+                                     f"fewest that shrink the activations enough): {e}",
+                                     e.dominant, e.activations_matter) from None
+            found.append((accumulated(plan, m), graph, program, level))
+            break
+        # More microbatches only cost more once a plan fits without recomputing (or a few
+        # counts after the first that fits at all).
+        if found and (found[-1][3] == levels[0] or len(found) >= 3):
+            break
+    if found:
+        best = min(found, key=lambda f: f[0].cost.step_time)
+        return best[0], best[1], best[2]
+    what = f"recomputation ({', '.join(levels)}) and " if len(levels) > 1 else ""
+    raise NoFeasiblePlan(f"{error} (tried {what}gradient accumulation up to {tried} "
+                         "microbatches)", error.dominant, error.activations_matter) from None
 
 
 def accumulated(plan: Plan, m: int) -> Plan:
@@ -312,7 +340,7 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
                          compute_source="measured" if cost.measured else "roofline"),
                 strategies, fingerprint(graph), sol.solve_time if sol else 0.0,
                 sol.backend if sol else "given", graph.unsupported,
-                options=options or PlanOptions())
+                options=options or PlanOptions(), recompute=cost.recompute)
 
 
 def why_replicated(node: SNode, strategy: Strategy, mesh: MeshSpec) -> str:

@@ -221,7 +221,8 @@ def collective_lines(plan) -> list[str]:
 
 
 def footer(plan) -> list[str]:
-    """What follows the cost: unsupported ops, the meshes tried, accumulation, pipeline."""
+    """What follows the cost: unsupported ops, the meshes tried, recomputation, accumulation,
+    pipeline."""
     lines = []
     if plan.unsupported_ops:
         lines.append(f"replicated (no sharding rule): {', '.join(plan.unsupported_ops)}")
@@ -232,12 +233,30 @@ def footer(plan) -> list[str]:
             got = (f"{ms(row['step_time'])} ms, {mib(row['peak_memory'])} MiB"
                    if row["step_time"] is not None else f"no plan: {row['why'][:70]}")
             lines.append(f"  {shape:24s} {got}")
+    lines += recompute_lines(plan.recompute)
     if plan.accumulation > 1:
         lines.append(f"gradient accumulation: {plan.accumulation} microbatches a step, "
                      "gradients synchronized once (the graph above is one microbatch)")
     if plan.pipeline is not None:
         lines += ["", *plan.pipeline.lines()]
     return lines
+
+
+def recompute_lines(r) -> list[str]:
+    """Which blocks recompute their activations in backward, and how (`r`: a Recompute)."""
+    out = []
+    if r.mode_of:
+        names = list(r.blocks)
+        shown = ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]}"
+        modes = "/".join(sorted(set(r.mode_of.values())))
+        out.append(f"recomputation: {modes} in {len(names)} block{'s' * (len(names) != 1)} "
+                   f"({shown}), {len(r.mode_of)} ops")
+    if r.user:
+        shown = ", ".join(r.user[:4]) + (" ..." if len(r.user) > 4 else "")
+        out.append(f"the model's torch.utils.checkpoint regions ({shown}) "
+                   + ("recompute in full" if r.user_kept else
+                      "do not recompute: the plan (recompute=\"none\") decided otherwise"))
+    return out
 
 
 # -- the op view -----------------------------------------------------------------------------

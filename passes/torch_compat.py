@@ -20,10 +20,16 @@ a tiny example, so a PyTorch release that changes one fails there, loudly, by na
 - `ASSERTION_OPS`: the ATen ops export leaves in the graph to assert metadata.
 - `persistent_buffers(model)`: buffer names saved in state_dict (nn.Module's private set of
   non-persistent buffers).
+- `watch_checkpoints(refuse)`: while tracing, marks the ops a model runs under
+  `torch.utils.checkpoint` (non-reentrant; through its private generator and
+  `torch.fx.traceback.annotate`), and calls `refuse(why)` for reentrant checkpoints (whose
+  backward a trace cannot capture) and where this PyTorch cannot mark them;
+  `checkpointed(node)` tells a marked node.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -138,3 +144,42 @@ __all__ = [
     "is_higher_order", "persistent_buffers", "reduce_scatter_single", "spec_child",
     "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten",
 ]
+
+
+CHECKPOINT_MARK = "autopar_user_checkpoint"
+
+
+@contextlib.contextmanager
+def watch_checkpoints(refuse):
+    """Within: ops a traced model runs under non-reentrant torch.utils.checkpoint carry a
+    mark (`checkpointed`); a reentrant checkpoint calls `refuse(why)`, which raises."""
+    import torch.utils.checkpoint as cp
+
+    generator, function = cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction
+    annotate = getattr(torch.fx.traceback, "annotate", None)
+
+    def marked(*args, **kwargs):
+        if annotate is None:
+            refuse("this PyTorch cannot mark the ops of a torch.utils.checkpoint region while "
+                   "tracing")
+        with annotate({CHECKPOINT_MARK: True}):
+            yield from generator(*args, **kwargs)
+
+    class Reentrant:
+        @staticmethod
+        def apply(*args, **kwargs):
+            refuse("torch.utils.checkpoint with use_reentrant=True runs its forward without "
+                   "autograd, so a trace loses its gradients; pass use_reentrant=False "
+                   "(PyTorch's recommendation)")
+
+    cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = marked, Reentrant
+    try:
+        with torch.fx.traceback.preserve_node_meta():
+            yield
+    finally:
+        cp._checkpoint_without_reentrant_generator, cp.CheckpointFunction = generator, function
+
+
+def checkpointed(node: fx.Node) -> bool:
+    """Whether a traced node ran under the model's own torch.utils.checkpoint."""
+    return bool((node.meta.get("custom") or {}).get(CHECKPOINT_MARK))

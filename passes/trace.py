@@ -26,6 +26,7 @@ from .side_effects import SideEffectWatch
 from .torch_compat import (
     ASSERTION_OPS,
     TreeSpec,
+    checkpointed,
     fake_mode,
     free_unbacked_symbols,
     grad_mode_region,
@@ -33,6 +34,7 @@ from .torch_compat import (
     spec_child,
     tree_leaves,
     tree_map,
+    watch_checkpoints,
 )
 
 
@@ -70,6 +72,7 @@ class TracedProgram:
     module_prefix: str = ""   # what the model's module paths start with in nn_module_stack
     writes: dict[str, str] = field(default_factory=dict)  # node -> graph input it updates
     frozen: set[str] = field(default_factory=set)  # parameter placeholders that do not train
+    checkpointed: set[str] = field(default_factory=set)  # ops under torch.utils.checkpoint
 
     @property
     def graph(self) -> fx.Graph:
@@ -192,7 +195,8 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
         if loss_fn is not None:
             args = (*example_inputs, example_target)
     try:
-        with SideEffectWatch(root, prefix="" if root is not model else "model") as watch:
+        with SideEffectWatch(root, prefix="" if root is not model else "model") as watch, \
+                watch_checkpoints(_refuse_checkpoint):
             ep = torch.export.export(root, args, kwargs, strict=False)
     except TraceError:
         raise
@@ -260,7 +264,8 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
                          loss_fn is not None, random_draws(gm), prefix,
                          input_writes(gm, set(params)),
                          {ph for ph, name in params.items()
-                          if not model.get_parameter(name).requires_grad})
+                          if not model.get_parameter(name).requires_grad},
+                         {n.name for n in gm.graph.nodes if checkpointed(n)})
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -589,6 +594,11 @@ def _inline_grad_mode_wrappers(gm: fx.GraphModule) -> None:
             raise TraceError(
                 f"unsupported higher-order op {node.target.__name__} at node {node.name}: "
                 "autopar needs one flat graph (no torch.cond, checkpoint or while_loop)")
+
+
+def _refuse_checkpoint(why: str):
+    raise TraceError(f"{why}. Or remove the checkpoint: autopar recomputes activations by "
+                     "plan (PlanOptions.recompute).")
 
 
 def _explain_export_failure(e: Exception) -> str:

@@ -36,6 +36,8 @@ from functools import lru_cache
 import torch
 
 from autopar.passes.placement import Placements, Replicate, fmt, local_shape
+from autopar.passes.recompute import NONE as NO_RECOMPUTE
+from autopar.passes.recompute import Recompute, saved_under_selective
 from autopar.passes.reshard import BUCKET_BYTES, ReshardError, Step, plan_steps
 from autopar.passes.rules import LOWERINGS, TensorArg
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, SNode, Strategy, StrategyGraph
@@ -72,7 +74,7 @@ class CostModel:
                  bucket_bytes: float = BUCKET_BYTES, *, graph: StrategyGraph | None = None,
                  precision: str | Precision | None = None,
                  measured: Mapping[str, tuple[float, float]] | None = None,
-                 activation_factor: float = 1.0):
+                 activation_factor: float = 1.0, recompute: Recompute | None = None):
         self.mesh = mesh
         self.bucket_bytes = bucket_bytes
         self.hw = mesh.profile
@@ -83,14 +85,17 @@ class CostModel:
         self.graph = graph
         self.activation_factor = activation_factor  # microbatches in flight (pipeline stages)
         self.info: dict[str, mem.NodeInfo] = mem.node_infos(graph) if graph is not None else {}
+        self.recompute = recompute or NO_RECOMPUTE  # ops recomputed in backward (passes/recompute)
+        self.region_uses = mem.region_input_uses(graph, self.recompute) \
+            if graph is not None else Counter()
         self._reshard = lru_cache(maxsize=None)(self._reshard_uncached)
 
     def copy(self, **changes) -> CostModel:
         """The same model with some settings changed (mesh, optimizer, bucket_bytes, graph,
-        precision, measured, activation_factor)."""
+        precision, measured, activation_factor, recompute)."""
         kw = dict(mesh=self.mesh, optimizer=self.optimizer, bucket_bytes=self.bucket_bytes,
                   graph=self.graph, precision=self.precision, measured=self.measured,
-                  activation_factor=self.activation_factor)
+                  activation_factor=self.activation_factor, recompute=self.recompute)
         kw.update(changes)
         out = copy.copy(self)  # keeps a subclass's own state
         CostModel.__init__(out, **kw)
@@ -229,7 +234,16 @@ class CostModel:
 
     def compute_times(self, node: SNode, strategy: Strategy) -> tuple[float, float]:
         """(forward, backward) seconds of `node` under `strategy`; backward is 0 for nodes that
-        need no gradient."""
+        need no gradient. Backward includes the forward once more for an op recomputed in
+        backward (passes/recompute.py)."""
+        fwd, bwd = self._compute_times(node, strategy)
+        mode = self.recompute.mode_of.get(node.name)
+        if mode == "full" or mode == "selective" and not saved_under_selective(
+                node, facts(node).product):
+            bwd += fwd
+        return fwd, bwd
+
+    def _compute_times(self, node: SNode, strategy: Strategy) -> tuple[float, float]:
         if node.kind in (INPUT, PARAM):
             return 0.0, 0.0
         grad = node.requires_grad and node.kind != CONSTANT

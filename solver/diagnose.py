@@ -40,9 +40,10 @@ def infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
         return NoFeasiblePlan(explain_infeasible(graph, cost, budget, forced, (peak, index)))
     choice = {n: graph.nodes[n].strategies[k] for n, k in index.items()}
     split = memory_split(graph, cost, choice)
-    dominant = max(split, key=lambda k: split[k])
+    dominant = _dominant(split)
+    without = peak - split["activations"] - split.get("recomputed", 0.0)
     return NoFeasiblePlan(explain_infeasible(graph, cost, budget, forced, (peak, index)),
-                          dominant)
+                          dominant, without < budget)
 
 
 def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
@@ -62,7 +63,7 @@ def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
                 "autopar bug; please report it with the model.")
     choice = {n: graph.nodes[n].strategies[k] for n, k in index.items()}
     split = memory_split(graph, cost, choice)
-    dominant = max(split, key=lambda k: split[k])
+    dominant = _dominant(split)
     items = []
     for v in graph.nodes.values():
         s = choice[v.name]
@@ -90,6 +91,14 @@ def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
     return (f"no plan fits the memory budget of {gib(budget)} per device: the smallest peak any "
             f"plan reaches{styles} is {gib(peak)} ({parts}), dominated by {dominant} (largest: "
             f"{top}). Raise memory_budget, or {advice}.")
+
+
+def _dominant(split: dict[str, float]) -> str:
+    """The kind of memory that dominates `split` (activations live again while backward
+    recomputes them count as activations)."""
+    merged = dict(split)
+    merged["activations"] = merged.get("activations", 0.0) + merged.pop("recomputed", 0.0)
+    return max(merged, key=lambda k: merged[k])
 
 
 def gib(b: float) -> str:

@@ -49,11 +49,16 @@ BACKENDS = ("HIGHS", "SCIP", "CBC", "CP_SAT")
 class NoFeasiblePlan(RuntimeError):
     """No assignment of strategies satisfies the memory budget. `dominant` names what
     dominates the smallest peak any plan reaches ("activations", "parameters", ...), when
-    solver/diagnose.py found out."""
+    solver/diagnose.py found out; `activations_matter`, whether that peak would fit without
+    its activations."""
 
-    def __init__(self, message: str, dominant: str | None = None):
+    def __init__(self, message: str, dominant: str | None = None,
+                 activations_matter: bool | None = None):
         super().__init__(message)
         self.dominant = dominant
+        # whether fewer activations alone could make a plan fit (recomputation, microbatches)
+        self.activations_matter = dominant == "activations" if activations_matter is None \
+            else activations_matter
 
 
 @dataclass
@@ -90,7 +95,7 @@ def node_costs(graph: StrategyGraph, cost: CostModel,
     layer) share its prices."""
     out = {}
     for v in graph.nodes.values():
-        if twin and v.name in twin:
+        if twin and v.name in twin and _alike(cost, v.name, twin[v.name]):
             out[v.name] = out[twin[v.name]]
             continue
         out[v.name] = [cost.node_time(v, s) for s in v.strategies]
@@ -308,6 +313,8 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
     for v, o in c.owner.items():
         node = graph.nodes[v]
         tw = c.twin_of(v)
+        if not _alike(cost, v, tw):
+            tw = v
         if tw not in node_memory:
             node_memory[tw] = [cost.node_memory(node, s) for s in node.strategies]
         allowed = set(forced[v]) if forced and v in forced else None
@@ -320,7 +327,8 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
             memory[o][k] += node_memory[tw][j]
     groups: dict[tuple, list] = {}  # edges between the same twins: [edge, count]
     for e in edges(graph):
-        key = (c.twin_of(e.producer), e.out_index, c.twin_of(e.consumer), e.slot)
+        key = (c.twin_of(e.producer), e.out_index, c.twin_of(e.consumer), e.slot,
+               _recompute_key(cost, e.producer), _recompute_key(cost, e.consumer))
         if key in groups:
             groups[key][1] += 1
         else:
@@ -358,6 +366,18 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
                        {(a, b): kept(a, b) for a in a_cls for b in b_cls}))
     merged = _merge_blocks(blocks)
     return _OwnerProblem(node_cost, memory, [b[:5] for b in merged], [b[5] for b in merged])
+
+
+def _recompute_key(cost: CostModel, v: str) -> tuple:
+    """What of a node's recomputation changes its prices: its mode, and whether it is in the
+    block priced as live again (passes/recompute.py)."""
+    r = cost.recompute
+    return r.mode_of.get(v), v in r.transient
+
+
+def _alike(cost: CostModel, v: str, twin: str) -> bool:
+    """Whether `v` may share its twin's prices: both recomputed alike."""
+    return _recompute_key(cost, v) == _recompute_key(cost, twin)
 
 
 def _add(costs: list[float], k: int, p: float) -> None:

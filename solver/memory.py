@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from autopar.passes.placement import local_shape
+from autopar.passes.recompute import Recompute, saved_under_selective
 from autopar.passes.rules.registry import (
     SAVES_DIVISOR,
     SAVES_FIRST,
@@ -54,7 +55,7 @@ from .flops import facts, is_view
 from .specs import optimizer_spec, precision_spec
 
 GiB = 2**30
-KINDS = ("parameters", "gradients", "optimizer", "activations")
+KINDS = ("parameters", "gradients", "optimizer", "activations", "recomputed")
 
 
 class Prices(Protocol):
@@ -64,6 +65,8 @@ class Prices(Protocol):
     info: dict
     precision: Any
     optimizer: Any
+    recompute: Recompute
+    region_uses: Counter   # see region_input_uses
 
     def dtype(self, dtype: torch.dtype) -> torch.dtype: ...
     def nbytes(self, shape, dtype: torch.dtype) -> int: ...
@@ -206,12 +209,56 @@ def _copies(graph: StrategyGraph, v: SNode) -> bool:
     return False
 
 
+def recomputed(cost: Prices, node: SNode) -> str | None:
+    """The recomputation mode of `node` ("selective" or "full"), None when it is not
+    recomputed."""
+    return cost.recompute.mode_of.get(node.name)
+
+
+def relived(cost: Prices, node: SNode) -> bool:
+    """Whether `node` is in the block whose activations are priced as live again: backward
+    recomputes one block at a time, so at the peak one block holds what it would have kept
+    without recomputation, besides what every recomputed block keeps from forward."""
+    return node.name in cost.recompute.transient
+
+
+def region_input_uses(graph: StrategyGraph, r: Recompute) -> Counter:
+    """How many recomputed ops of each block read each value made outside that block's
+    recomputed ops: (producer, output index, block) -> uses. A recomputed run keeps its
+    inputs, each once, whatever its ops' backward needs."""
+    uses: Counter = Counter()
+    for n, b in r.block_of.items():
+        for u, idx in graph.nodes[n].inputs:
+            if r.block_of.get(u) != b:
+                uses[(u, idx, b)] += 1
+    return uses
+
+
+def _output_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
+    outs = strategy.output if node.multi_output else (strategy.output,)
+    return sum(cost.nbytes(local_shape(shape, p, cost.shape), dtype)
+               for shape, p, dtype in zip(node.out_shapes, outs, node.out_dtypes))
+
+
 def saved_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
     """Bytes per device autograd keeps on account of `node` under `strategy` that depend on
     its strategy alone: its own output when its backward needs it, and the small tensors it
-    creates for backward. (Its kept inputs are priced on the edges: `edge_saved_bytes`.)"""
+    creates for backward. (Its kept inputs are priced on the edges: `edge_saved_bytes`.) A
+    recomputed op keeps nothing, except that a selectively recomputed block keeps the outputs
+    of its products and attention."""
     if node.kind != OP or not node.requires_grad:
         return 0.0
+    mode = recomputed(cost, node)
+    if mode is None:
+        return kept_bytes(cost, node, strategy)
+    live = kept_bytes(cost, node, strategy) if relived(cost, node) else 0.0
+    if mode == "selective" and saved_under_selective(node, facts(node).product):
+        return live + _output_bytes(cost, node, strategy)
+    return live
+
+
+def kept_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
+    """`saved_bytes` without recomputation."""
     info = cost.info.get(node.name)
     total = 0.0
     if saves_output(node):
@@ -232,6 +279,27 @@ def edge_saved_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slot: 
     counted again. A tensor kept by k ops counts 1/k at each."""
     if consumer.kind != OP or not consumer.requires_grad:
         return 0.0
+    if recomputed(cost, consumer):
+        live = kept_edge_bytes(cost, graph, consumer, slot, src, dst) \
+            if relived(cost, consumer) else 0.0
+        return live + _region_input_bytes(cost, graph, consumer, slot, src, dst)
+    return kept_edge_bytes(cost, graph, consumer, slot, src, dst)
+
+
+def relived_bytes(cost: Prices, graph: StrategyGraph, node: SNode, strategy: Strategy,
+                  inputs: list) -> float:
+    """Of `node`'s activation and edge bytes (its inputs at `inputs`: (src, dst) per slot),
+    the part live again while backward recomputes its block (see `relived`)."""
+    if node.kind != OP or not node.requires_grad or not relived(cost, node):
+        return 0.0
+    return kept_bytes(cost, node, strategy) + sum(
+        kept_edge_bytes(cost, graph, node, slot, src, dst)
+        for slot, (src, dst) in enumerate(inputs))
+
+
+def kept_edge_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slot: int,
+                    src, dst) -> float:
+    """`edge_saved_bytes` without recomputation."""
     info = cost.info.get(consumer.name)
     if info is not None:
         kept = info.kept_inputs[slot]
@@ -254,6 +322,34 @@ def edge_saved_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slot: 
     if kept.held and not _cast_for_compute(cost, graph.nodes[u], dtype):
         return 0.0
     return cost.nbytes(local_shape(shape, src, cost.shape), dtype) * kept.scale / kept.share
+
+
+def _region_input_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slot: int,
+                        src, dst) -> float:
+    """Input `slot` of a recomputed op: nothing when its producer is recomputed in the same
+    block (backward makes it again); else an input of the recomputed run, kept once for the
+    block (a share per reading op): what the last collective of the resharding made, or the
+    producer's own output (a parameter's or user input's own storage is not counted
+    again)."""
+    r = cost.recompute
+    u, idx = consumer.inputs[slot]
+    block = r.block_of.get(consumer.name)
+    producer = graph.nodes[u]
+    dtype = producer.out_dtypes[idx or 0]
+    shape = consumer.in_shapes[slot]
+    try:
+        steps = cost.reshard_steps(shape, src, dst) if src != dst else []
+    except ValueError:
+        return 0.0
+    collectives = [s for s in steps if s.kind != "slice"]
+    if collectives:  # collectives are never recomputed: their result is kept
+        return float(cost.nbytes(collectives[-1].out_shape, dtype))
+    if r.block_of.get(u) == block:
+        return 0.0
+    if producer.kind in (PARAM, INPUT, CONSTANT) and not _cast_for_compute(cost, producer, dtype):
+        return 0.0
+    share = max(1, cost.region_uses.get((u, idx, block), 1))
+    return cost.nbytes(local_shape(shape, src, cost.shape), dtype) / share
 
 
 def _cast_for_compute(cost: Prices, node: SNode, dtype: torch.dtype) -> bool:
@@ -292,17 +388,25 @@ def parameter_bytes(cost: Prices, node: SNode, storage) -> dict[str, float]:
 
 def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
                  ) -> dict[str, float]:
-    """Bytes per device of a complete assignment, by kind; sums to the ILP's memory."""
+    """Bytes per device of a complete assignment, by kind (KINDS; "recomputed" only when
+    something recomputes); sums to the ILP's memory."""
     out = dict.fromkeys(KINDS, 0.0)
     for v in graph.nodes.values():
         s = choice[v.name]
         if v.kind == PARAM:
             for k, b in cost.param_memory_split(v, s.output).items():
                 out[k] += b
-        out["activations"] += cost.activation_memory(v, s)
-        for slot, (u, idx) in enumerate(v.inputs):
-            out["activations"] += cost.edge_memory(graph, v, slot, choice[u].out(idx),
-                                                   s.inputs[slot])
+        act = cost.activation_memory(v, s) + sum(
+            cost.edge_memory(graph, v, slot, choice[u].out(idx), s.inputs[slot])
+            for slot, (u, idx) in enumerate(v.inputs))
+        # the block backward recomputes, live again at the peak, apart from what forward keeps
+        again = relived_bytes(cost, graph, v, s, [
+            (tuple(choice[u].out(idx)), tuple(s.inputs[slot]))
+            for slot, (u, idx) in enumerate(v.inputs)])
+        out["activations"] += act - again
+        out["recomputed"] += again
+    if not out["recomputed"]:  # only plans that recompute have the kind
+        del out["recomputed"]
     return out
 
 

@@ -100,6 +100,48 @@ def measured_memory(name, mesh_shape, force, optimizer: str = "adamw",
             "plan": pm.plan.to_dict() if dist.get_rank() == 0 else None}
 
 
+def measured_activations(name, mesh_shape, force, recompute: str) -> dict:
+    """The bytes a training step allocates from the start of its forward to the start of its
+    backward and still holds then (tensor allocations less frees, from the profiler's memory
+    events), after a warm-up step, with the plan's predicted memory: what forward keeps is
+    its "activations" (the block backward recomputes, "recomputed", is live only later)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    model, loss_fn, (x, y) = build(name)
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
+                             example_inputs=(x, y), force=force, recompute=recompute,
+                             microbatches=1)
+    pm.step(x, y)
+    backward = torch.Tensor.backward
+
+    def forward_starts(module, args):  # the first module a step calls is its program
+        with record_function("forward starts"):
+            pass
+
+    def backward_starts(self, *args, **kwargs):
+        with record_function("backward starts"):
+            pass
+        return backward(self, *args, **kwargs)
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(forward_starts)
+    torch.Tensor.backward = backward_starts
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            pm.step(x, y)
+    finally:
+        torch.Tensor.backward = backward
+        hook.remove()
+    events = prof.events()
+    start = min(e.time_range.start for e in events if e.name == "forward starts")
+    end = min(e.time_range.start for e in events if e.name == "backward starts")
+    # What every op allocated less what it freed itself, and the frees outside any op (of
+    # tensors Python let go), between the marks.
+    held = sum(e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
+               for e in events if start <= e.time_range.start < end)
+    return {"measured": held, "predicted": dict(pm.plan.cost.memory),
+            "mode": pm.plan.recompute.mode}
+
+
 def calibrated_profile(mesh_shape, **kwargs) -> dict:
     """autopar.calibrate on a mesh of the world (every rank returns the same profile)."""
     profile = autopar.calibrate(mesh_for(mesh_shape), **kwargs)

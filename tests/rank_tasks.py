@@ -64,6 +64,13 @@ def build(name):
         model = zoo.hf_llama(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                              num_key_value_heads=2, intermediate_size=64, vocab_size=64,
                              max_position_embeddings=16)
+    elif name == "hf_llama_checkpointed":  # Hugging Face gradient checkpointing, non-reentrant
+        model = zoo.hf_llama(num_hidden_layers=3, hidden_size=32, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=64, vocab_size=64,
+                             max_position_embeddings=16)
+        enable = getattr(model.model, "activation_checkpointing_enable", None) or \
+            model.model.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
     elif name == "hf_llama_lora":  # fine-tuning: only the LoRA adapters train
         model = models.hf_llama_lora(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                      num_key_value_heads=2, intermediate_size=64,
@@ -176,17 +183,18 @@ def check_training(pm, ref, loss_fn, x, y, steps: int) -> None:
 
 
 def train_equivalence(name, mesh_shape: tuple, force=None, steps: int = 3,
-                      plan: dict | None = None) -> dict | None:
+                      plan: dict | None = None, options: dict | None = None) -> dict | None:
     """Loss, gradients, parameters after `steps` AdamW steps, and the forward output, all equal
-    to single-device training. Runs the solver's plan, or `plan` (as data) when given. Returns
-    the plan as data (from rank 0)."""
+    to single-device training. Runs the solver's plan (with PlanOptions fields `options`), or
+    `plan` (as data) when given. Returns the plan as data (from rank 0)."""
     model, loss_fn, (x, y) = build(name)
     if name not in FLOAT32_ONLY:
         model, (x, y) = in_float64(model, (x, y))
     ref = copy.deepcopy(model)
     mesh = mesh_for(mesh_shape)
     pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, example_inputs=(x, y), force=force,
-                             plan=autopar.Plan.from_dict(plan) if plan else None)
+                             plan=autopar.Plan.from_dict(plan) if plan else None,
+                             **(options or {}))
     check_training(pm, ref, loss_fn, x, y, steps)
     return pm.plan.to_dict() if dist.get_rank() == 0 else None
 
@@ -281,15 +289,17 @@ def accumulation_equivalence(name, mesh_shape: tuple, force=None) -> None:
            {n: p.grad for n, p in ref.named_parameters()})
 
 
-def dropout_equivalence(name, mesh_shape: tuple, force=None, steps: int = 2) -> dict | None:
+def dropout_equivalence(name, mesh_shape: tuple, force=None, steps: int = 2,
+                        options: dict | None = None) -> dict | None:
     """With dropout: seeded alike before every step on every rank and before the single-device
     step, the loss and the gradients (and the parameters after `steps` AdamW steps) equal
-    single-device training, so each rank drew the block of the single-device masks."""
+    single-device training, so each rank drew the block of the single-device masks. `options`:
+    PlanOptions fields."""
     model, loss_fn, (x, y) = build(name)
     model, (x, y) = in_float64(model, (x, y))
     ref = copy.deepcopy(model)
     pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn, example_inputs=(x, y),
-                             force=force)
+                             force=force, **(options or {}))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-5)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-5)
     ref_params = dict(ref.named_parameters())
