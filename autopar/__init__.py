@@ -6,7 +6,9 @@
     profile = autopar.calibrate(device_mesh)        # a HardwareProfile of the real machine
 """
 
+from autopar.passes.trace import TraceError
 from autopar.runtime.control import RankError
+from autopar.solver.ilp import NoFeasiblePlan
 
 from . import checkpoint, profile
 from .api import PlanMismatchError, parallelize, plan
@@ -20,7 +22,7 @@ from .search import Cluster
 
 __all__ = [
     "A100", "CPU", "H100", "H200", "PROFILES", "Cluster", "Collective", "HardwareProfile", "Link",
-    "MeshSpec", "OpEntry", "Parallelized", "Plan", "PlanCost", "PlanMismatchError",
-    "PlanOptions", "RankError", "calibrate", "checkpoint", "get_profile", "parallelize", "plan",
-    "profile",
+    "MeshSpec", "NoFeasiblePlan", "OpEntry", "Parallelized", "Plan", "PlanCost",
+    "PlanMismatchError", "PlanOptions", "RankError", "TraceError", "calibrate", "checkpoint",
+    "get_profile", "parallelize", "plan", "profile",
 ]

@@ -396,6 +396,10 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
     if options.per_rank_inputs:
         raise ValueError("per-rank inputs are not supported with a pp mesh dimension yet: pass "
                          "the global batch on every rank")
+    if options.recompute not in (None, "none"):
+        raise ValueError(f"recompute={options.recompute!r} is not supported with a pp mesh "
+                         "dimension yet: pipelined plans keep their activations (more "
+                         "microbatches shrink them); drop recompute= or the pp dimension")
     microbatches, schedule = options.microbatches, options.schedule
     virtual_stages, solver = options.virtual_stages, options.solver
     memory_budget, time_limit = options.memory_budget, options.time_limit

@@ -16,5 +16,5 @@ def world4():
 
 # Hypothesis profiles: CI runs a fixed, derandomized budget; `--hypothesis-profile=soak` many more.
 settings.register_profile("ci", max_examples=60, derandomize=True, print_blob=True)
-settings.register_profile("soak", max_examples=500, derandomize=False, print_blob=True)
+settings.register_profile("soak", max_examples=1000, derandomize=False, print_blob=True)
 settings.load_profile("ci")

@@ -139,7 +139,7 @@ def measured_activations(name, mesh_shape, force, recompute: str) -> dict:
     held = sum(e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
                for e in events if start <= e.time_range.start < end)
     return {"measured": held, "predicted": dict(pm.plan.cost.memory),
-            "mode": pm.plan.recompute.mode}
+            "mode": pm.plan.recompute.mode, "step_time": pm.plan.cost.step_time}
 
 
 def calibrated_profile(mesh_shape, **kwargs) -> dict:

@@ -26,6 +26,14 @@ def test_bf16_mixed_equals_the_reference(world2, model, force):
         _check(errors)
 
 
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_bf16_mixed_with_recomputation(world2, recompute):
+    """Recomputed blocks run again in bfloat16 from the same casts: the same tolerance."""
+    for errors in world2.run(rank_tasks.mixed_precision_errors, "hf_llama", (2,), "tensor",
+                             recompute=recompute):
+        _check(errors)
+
+
 def test_bf16_mixed_on_two_dimensions(world4):
     for errors in world4.run(rank_tasks.mixed_precision_errors, "gpt", (2, 2),
                              {"dp": "fsdp", "tp": "tensor"}):

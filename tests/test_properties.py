@@ -4,7 +4,8 @@ Hypothesis draws a model (MLP stacks, residual MLPs with LayerNorm/RMSNorm, smal
 with grouped-query attention and tied or untied heads, the same with mixture-of-experts MLPs of
 any expert count and top-k, with or without a shared expert, experts looped or batched, a
 load-balancing loss or an in-place token-count buffer; odd sizes included), a mesh, and a random
-valid plan (a strategy drawn for every node, including ones the solver would never choose).
+valid plan (a strategy drawn for every node, including ones the solver would never choose),
+with no, selective or full recomputation of the layer blocks.
 The rewritten program on real gloo ranks must match the single-device model: loss, gradients,
 parameters after 2 AdamW steps and the forward output. On failure hypothesis shrinks to a small
 model and the failing plan is printed.
@@ -59,12 +60,15 @@ def model_specs(draw):
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                 HealthCheck.function_scoped_fixture])
-@given(spec=model_specs(), mesh=st.sampled_from(MESHES), seed=st.integers(0, 2**20))
-def test_random_plan_matches_single_device(world2, world4, spec, mesh, seed):
+@given(spec=model_specs(), mesh=st.sampled_from(MESHES), seed=st.integers(0, 2**20),
+       recompute=st.sampled_from(["none", "selective", "full"]))
+def test_random_plan_matches_single_device(world2, world4, spec, mesh, seed, recompute):
     model, loss_fn, example = rank_tasks.build(spec)
     spec_mesh = autopar.MeshSpec(mesh, names=rank_tasks.mesh_names(mesh), hardware="cpu")
-    plan = autopar.plan(model, spec_mesh, example, loss_fn=loss_fn, solver="random", seed=seed)
+    plan = autopar.plan(model, spec_mesh, example, loss_fn=loss_fn, solver="random", seed=seed,
+                        recompute=recompute)
     note(f"model {spec}\nmesh {mesh}\n{plan}")
     event(f"family {spec[0]}")  # --hypothesis-show-statistics: how often each family ran
+    event(f"recompute {plan.recompute.mode}")
     world = world2 if math.prod(mesh) == 2 else world4
     world.run(rank_tasks.train_equivalence, spec, mesh, None, 2, plan.to_dict())

@@ -66,6 +66,10 @@ def test_plan_round_trips_its_recomputation():
 def test_bad_recompute_option():
     with pytest.raises(ValueError, match="recompute must be one of"):
         _plan(recompute="some")
+    model, loss_fn, example = build("gpt")
+    pp = autopar.MeshSpec((2,), names=("pp",), hardware="cpu")
+    with pytest.raises(ValueError, match="not supported with a pp mesh dimension"):
+        autopar.plan(model, pp, example, loss_fn=loss_fn, recompute="full")
 
 
 class _Reentrant(nn.Module):

@@ -1,0 +1,74 @@
+"""Plans at the scale people train: GPT-3-style models from Megatron-LM's weak-scaling table
+(Narayanan et al. 2021: sequence 2048, vocabulary 51200, global batch 512) on simulated
+A100-80GB meshes with the tensor-parallel degree Megatron used, bf16-mixed AdamW.
+
+    python -m benchmarks.plans_at_scale                   # 1.7B on 32 GPUs, 7.5B on 128
+    python -m benchmarks.plans_at_scale --recompute none  # as before recomputation existed
+
+For each model: the seconds `autopar.plan` takes, the predicted step, memory per device against
+the budget (split by kind), the gradient-accumulation microbatches and what recomputes; the
+plan's own table is printed below the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import autopar
+from autopar.zoo import GPT, GPTConfig, lm_loss
+
+# name: (layers, hidden, heads, mesh shape, mesh names) from Megatron-LM's table
+MODELS = {
+    "1.7B": (24, 2304, 24, (32,), ("dp",)),
+    "7.5B": (36, 4096, 32, (32, 4), ("dp", "tp")),
+}
+
+
+def plan(name: str, recompute: str | None, batch: int = 512, seq: int = 2048):
+    """Plan the GPT `name` on its mesh; returns (plan, seconds)."""
+    layers, hidden, heads, shape, names = MODELS[name]
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=51200, block_size=seq, n_layer=layers, n_head=heads,
+                              n_embd=hidden))
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    spec = autopar.MeshSpec(shape, names=names, hardware="a100")
+    start = time.perf_counter()
+    p = autopar.plan(model, spec, (ids, ids), loss_fn=lm_loss, precision="bf16-mixed",
+                     recompute=recompute, time_limit=60)
+    return p, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="1.7B,7.5B")
+    ap.add_argument("--recompute", default=None, help="none, selective or full (default: the "
+                    "planner decides)")
+    ap.add_argument("--tables", action="store_true", help="print each plan's table too")
+    args = ap.parse_args()
+    rows, tables = [], []
+    for name in args.models.split(","):
+        try:
+            p, secs = plan(name, args.recompute)
+        except autopar.NoFeasiblePlan as e:
+            rows.append(f"| {name} | {MODELS[name][3]} | no plan: {str(e)[:120]} |||||")
+            continue
+        mem = p.cost.memory
+        split = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in mem.items())
+        rows.append(f"| {name} | {'x'.join(map(str, p.mesh.shape))} | {secs:.1f} | "
+                    f"{p.cost.step_time:.2f} | {p.cost.peak_memory / 2**30:.1f} of "
+                    f"{p.cost.memory_budget / 2**30:.1f} ({split}) | {p.accumulation} | "
+                    f"{p.recompute.mode} ({len(p.recompute.blocks)} blocks) |")
+        tables.append(f"### {name}\n\n```\n{p}\n```")
+    print("| model | mesh | plan() s | step s | GiB per device (by kind) | microbatches | "
+          "recompute |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    if args.tables:
+        print("\n" + "\n\n".join(tables))
+
+
+if __name__ == "__main__":
+    main()
