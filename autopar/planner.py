@@ -174,8 +174,9 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
     otherwise the whole batch, and when no plan fits because activations dominate, 2, 3, ...
     microbatches (divisors of the batch), the fewest that fit. Activation recomputation
     (`options.recompute`; when None, none, then selective, then full, for each microbatch
-    count, while activations keep the plan from fitting) is the other way to fit: of the plans
-    that fit, the one with the shortest step wins. Returns the plan (its
+    count, while activations keep the plan from fitting or memory binds its placements: a
+    peak above BINDING of the budget) is the other way to fit: of the plans that fit, the one
+    with the shortest step wins. Returns the plan (its
     `accumulation`; its cost for the whole step, gradients synchronized once), the strategy
     graph and the traced program of one microbatch. Without `accumulate` (an inference
     program) the whole batch, always."""
@@ -196,10 +197,11 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
     # selective, then full recomputation of every layer block.
     levels = ["none"] if not accumulate else \
         [options.recompute] if options.recompute is not None else list(RECOMPUTE)
-    error, found, tried = None, [], 0
+    error, found, tried, since = None, [], 0, 0
     for m in counts:
         program = trace_at(m)
         tried = m
+        plain = False  # a plan fits at this count without recomputing more than levels[0]
         for level in levels:
             try:
                 plan, graph = solve_plan(program, mesh, options, storage=storage,
@@ -216,10 +218,13 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
                                      f"fewest that shrink the activations enough): {e}",
                                      e.dominant, e.activations_matter) from None
             found.append((accumulated(plan, m), graph, program, level))
-            break
-        # More microbatches only cost more once a plan fits without recomputing (or a few
-        # counts after the first that fits at all).
-        if found and (found[-1][3] == levels[0] or len(found) >= 3):
+            plain = plain or level == levels[0]
+            if plan.cost.peak_memory < BINDING * plan.cost.memory_budget:
+                break  # memory does not bind: recomputing more would only cost time
+        since += bool(found)
+        # More microbatches only cost more once a plan fits without recomputing (or a couple
+        # of counts after the first that fits at all).
+        if plain or since >= 2:
             break
     if found:
         best = min(found, key=lambda f: f[0].cost.step_time)
@@ -227,6 +232,11 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
     what = f"recomputation ({', '.join(levels)}) and " if len(levels) > 1 else ""
     raise NoFeasiblePlan(f"{error} (tried {what}gradient accumulation up to {tried} "
                          "microbatches)", error.dominant, error.activations_matter) from None
+
+
+# A plan whose peak is within this share of the budget is held back by memory: recomputation
+# (which frees activations) may let the solver choose faster placements, so it is tried too.
+BINDING = 0.9
 
 
 def accumulated(plan: Plan, m: int) -> Plan:

@@ -1,8 +1,9 @@
 """Plans at the scale people train: GPT-3-style models from Megatron-LM's weak-scaling table
-(Narayanan et al. 2021: sequence 2048, vocabulary 51200, global batch 512) on simulated
+(Narayanan et al. 2021: sequence 2048, vocabulary 51200, global batch 512 to 1536) on simulated
 A100-80GB meshes with the tensor-parallel degree Megatron used, bf16-mixed AdamW.
 
-    python -m benchmarks.plans_at_scale                   # 1.7B on 32 GPUs, 7.5B on 128
+    python -m benchmarks.plans_at_scale      # 1.7B on 32 GPUs, 7.5B on 128, 18.4B on 256,
+                                             # 39.1B on 512 (pipelined: 2 stages)
     python -m benchmarks.plans_at_scale --recompute none  # as before recomputation existed
 
 For each model: the seconds `autopar.plan` takes, the predicted step, memory per device against
@@ -20,16 +21,18 @@ import torch
 import autopar
 from autopar.zoo import GPT, GPTConfig, lm_loss
 
-# name: (layers, hidden, heads, mesh shape, mesh names) from Megatron-LM's table
+# name: (layers, hidden, heads, mesh shape, mesh names, global batch) from Megatron-LM's table
 MODELS = {
-    "1.7B": (24, 2304, 24, (32,), ("dp",)),
-    "7.5B": (36, 4096, 32, (32, 4), ("dp", "tp")),
+    "1.7B": (24, 2304, 24, (32,), ("dp",), 512),
+    "7.5B": (36, 4096, 32, (32, 4), ("dp", "tp"), 512),
+    "18.4B": (40, 6144, 48, (32, 8), ("dp", "tp"), 1024),
+    "39.1B": (48, 8192, 64, (32, 2, 8), ("dp", "pp", "tp"), 1536),
 }
 
 
-def plan(name: str, recompute: str | None, batch: int = 512, seq: int = 2048):
+def plan(name: str, recompute: str | None, seq: int = 2048):
     """Plan the GPT `name` on its mesh; returns (plan, seconds)."""
-    layers, hidden, heads, shape, names = MODELS[name]
+    layers, hidden, heads, shape, names, batch = MODELS[name]
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=51200, block_size=seq, n_layer=layers, n_head=heads,
                               n_embd=hidden))
@@ -43,7 +46,7 @@ def plan(name: str, recompute: str | None, batch: int = 512, seq: int = 2048):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="1.7B,7.5B")
+    ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--recompute", default=None, help="none, selective or full (default: the "
                     "planner decides)")
     ap.add_argument("--tables", action="store_true", help="print each plan's table too")
@@ -56,10 +59,11 @@ def main() -> None:
             rows.append(f"| {name} | {MODELS[name][3]} | no plan: {str(e)[:120]} |||||")
             continue
         mem = p.cost.memory
+        micro = p.pipeline.microbatches if p.pipeline is not None else p.accumulation
         split = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in mem.items())
         rows.append(f"| {name} | {'x'.join(map(str, p.mesh.shape))} | {secs:.1f} | "
                     f"{p.cost.step_time:.2f} | {p.cost.peak_memory / 2**30:.1f} of "
-                    f"{p.cost.memory_budget / 2**30:.1f} ({split}) | {p.accumulation} | "
+                    f"{p.cost.memory_budget / 2**30:.1f} ({split}) | {micro} | "
                     f"{p.recompute.mode} ({len(p.recompute.blocks)} blocks) |")
         tables.append(f"### {name}\n\n```\n{p}\n```")
     print("| model | mesh | plan() s | step s | GiB per device (by kind) | microbatches | "
