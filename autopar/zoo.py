@@ -125,53 +125,34 @@ class LogitsOnly(nn.Module):
         return self.model(input_ids=input_ids).logits
 
 
+def hf_causal_lm(kind: str, **fields) -> LogitsOnly:
+    """A Hugging Face causal LM built from config, no downloads: `kind` is the transformers
+    prefix ("GPT2", "Llama", "Mixtral", ...) of its `<kind>Config` and `<kind>ForCausalLM` (or
+    `<kind>LMHeadModel`), `fields` its config fields. No KV cache, no special tokens, SDPA
+    attention: what autopar traces."""
+    import transformers  # an optional dependency
+
+    config = getattr(transformers, f"{kind}Config")(
+        **{"bos_token_id": None, "eos_token_id": None, "use_cache": False,
+           "attn_implementation": "sdpa", **fields})
+    model = getattr(transformers, f"{kind}ForCausalLM", None) or \
+        getattr(transformers, f"{kind}LMHeadModel")
+    return LogitsOnly(model(config))
+
+
 def hf_gpt2(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, dropout=0.0):
     """GPT-2 from config; `dropout` is its embedding, residual and attention dropout."""
-    from transformers import GPT2Config, GPT2LMHeadModel  # an optional dependency
-
-    config = GPT2Config(
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        vocab_size=vocab_size,
-        n_positions=n_positions,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        summary_first_dropout=0.0,
-        bos_token_id=None,
-        eos_token_id=None,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    return LogitsOnly(GPT2LMHeadModel(config))
+    return hf_causal_lm("GPT2", n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                        vocab_size=vocab_size, n_positions=n_positions, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout, summary_first_dropout=0.0)
 
 
-def hf_llama(
-    num_hidden_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=128,
-    max_position_embeddings=32,
-):
+def hf_llama(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=128, max_position_embeddings=32):
     """Llama (grouped-query attention, RMSNorm, SwiGLU, rotary positions) from config."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        num_hidden_layers=num_hidden_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size,
-        vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings,
-        attention_dropout=0.0,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    return LogitsOnly(LlamaForCausalLM(config))
+    return hf_causal_lm("Llama", num_hidden_layers=num_hidden_layers, hidden_size=hidden_size,
+                        num_attention_heads=num_attention_heads,
+                        num_key_value_heads=num_key_value_heads,
+                        intermediate_size=intermediate_size, vocab_size=vocab_size,
+                        max_position_embeddings=max_position_embeddings,
+                        attention_dropout=0.0, pad_token_id=None)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.zoo import LogitsOnly, lm_loss
+from autopar.zoo import LogitsOnly, hf_causal_lm, lm_loss
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "tanh": nn.Tanh}
 
@@ -99,27 +99,13 @@ def hf_mixtral(experts_implementation="batched_mm", num_hidden_layers=2, hidden_
                max_position_embeddings=16):
     """Mixtral from config. Its eager experts pick tokens with nonzero (a data-dependent shape);
     "batched_mm" gathers each token's expert weights, "grouped_mm" sorts tokens by expert."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(
-        num_hidden_layers=num_hidden_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size,
-        num_local_experts=num_local_experts,
-        num_experts_per_tok=num_experts_per_tok,
-        vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings,
-        attention_dropout=0.0,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        use_cache=False,
-        attn_implementation="sdpa",
-        experts_implementation=experts_implementation,
-    )
-    return LogitsOnly(MixtralForCausalLM(config))
+    return hf_causal_lm("Mixtral", num_hidden_layers=num_hidden_layers, hidden_size=hidden_size,
+                        num_attention_heads=num_attention_heads,
+                        num_key_value_heads=num_key_value_heads,
+                        intermediate_size=intermediate_size, num_local_experts=num_local_experts,
+                        num_experts_per_tok=num_experts_per_tok, vocab_size=vocab_size,
+                        max_position_embeddings=max_position_embeddings, attention_dropout=0.0,
+                        pad_token_id=None, experts_implementation=experts_implementation)
 
 
 @dataclass
