@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
+from tests.models import ScaledLinear
 from tests.rank_tasks import build, mesh_for
 
 
@@ -40,18 +41,6 @@ class _Routed(nn.Module):
         counts = torch.bincount(choice, minlength=2)
         pieces = torch.split(x[order], counts.tolist())
         return torch.cat([e(p) for e, p in zip(self.experts, pieces)])[order.argsort()]
-
-
-class _Scaled(nn.Module):
-    """A bare parameter: no reset_parameters() to initialize it on the meta device."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(16))
-        self.fc = nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.fc(x * self.scale)
 
 
 class _ClampsWeight(nn.Module):
@@ -142,7 +131,7 @@ def attempt(kind: str) -> str:
                          loss_fn=loss_fn, per_rank_inputs=("dp",))
         elif kind == "meta_model_without_init":
             with torch.device("meta"):
-                meta_model = _Scaled()
+                meta_model = ScaledLinear()
             autopar.parallelize(meta_model, _mesh(), loss_fn=loss_fn, example_inputs=(x, y))
         elif kind == "side_effect_in_forward":
             autopar.parallelize(_Counting(), _mesh(), loss_fn=loss_fn, example_inputs=(x, y))

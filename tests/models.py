@@ -288,3 +288,16 @@ def moe_loss(out, targets, aux_weight=0.1):
     """The language-model loss plus the weighted load-balancing loss (for balance="loss")."""
     logits, aux = out
     return lm_loss(logits, targets) + aux_weight * aux
+
+
+class ScaledLinear(nn.Module):
+    """A linear layer after a bare parameter (a scale): the parameter has no
+    reset_parameters() to initialize it on the meta device."""
+
+    def __init__(self, width: int = 16, out: int = 8):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+        self.fc = nn.Linear(width, out)
+
+    def forward(self, x):
+        return self.fc(x * self.scale)

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 import autopar
 from autopar import zoo
+from tests.models import ScaledLinear
 from tests.rank_tasks import check_equal, check_training, mesh_for
 
 CONFIG = zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -60,23 +61,13 @@ def meta_init(mesh_shape, force, seed: int = 123) -> dict:
     return {"local": local, "whole": whole}
 
 
-class _NoInit(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(16))
-        self.fc = nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.fc(x * self.scale)
-
-
 def bad_meta_init(kind: str) -> str:
     """A meta model that cannot be initialized; returns "Type: message" of what was raised."""
     x, y = torch.randn(8, 16), torch.randint(0, 8, (8,))
     mesh = mesh_for((dist.get_world_size(),))
     try:
         with torch.device("meta"):
-            model = _NoInit()
+            model = ScaledLinear()
         if kind == "no_init":
             autopar.parallelize(model, mesh, loss_fn=nn.functional.cross_entropy,
                                 example_inputs=(x, y))

@@ -58,8 +58,15 @@ def test_four_ranks(world4, model, force):
     _check_style(plan, force)
 
 
-@pytest.mark.parametrize("force", TWO_D, ids=lambda f: str(f or "solver").replace(" ", ""))
-@pytest.mark.parametrize("model", MODELS)
+MOE = ["moe_loop", "moe_grouped", "hf_mixtral", "hf_mixtral_grouped"]
+# every 2-D style for the dense models; the solver's plan and FSDP x tensor parallel for the
+# mixtures of experts
+TWO_BY_TWO = [(m, f) for m in MODELS for f in TWO_D] + \
+    [(m, f) for m in MOE for f in (None, {"dp": "fsdp", "tp": "tensor"})]
+
+
+@pytest.mark.parametrize("model,force", TWO_BY_TWO,
+                         ids=[f"{m}-{str(f or 'solver').replace(' ', '')}" for m, f in TWO_BY_TWO])
 def test_two_by_two(world4, model, force):
     plan = world4.run(rank_tasks.train_equivalence, model, (2, 2), force)[0]
     _check_style(plan, force)
@@ -72,9 +79,6 @@ def test_lora_fine_tuning(world2, force):
     world2.run(rank_tasks.train_equivalence, "hf_llama_lora", (2,), force)
 
 
-MOE = ["moe_loop", "moe_grouped", "hf_mixtral", "hf_mixtral_grouped"]
-
-
 @pytest.mark.parametrize("force", ONE_D, ids=lambda f: f or "solver")
 @pytest.mark.parametrize("model", MOE)
 def test_mixture_of_experts_two_ranks(world2, model, force):
@@ -82,14 +86,6 @@ def test_mixture_of_experts_two_ranks(world2, model, force):
     expert weights, Mixtral's batched_mm and grouped_mm), with a shared expert, the
     load-balancing loss or a token-count buffer updated in place."""
     plan = world2.run(rank_tasks.train_equivalence, model, (2,), force)[0]
-    _check_style(plan, force)
-
-
-@pytest.mark.parametrize("force", [None, {"dp": "fsdp", "tp": "tensor"}],
-                         ids=lambda f: str(f or "solver").replace(" ", ""))
-@pytest.mark.parametrize("model", MOE)
-def test_mixture_of_experts_two_by_two(world4, model, force):
-    plan = world4.run(rank_tasks.train_equivalence, model, (2, 2), force)[0]
     _check_style(plan, force)
 
 

@@ -230,25 +230,18 @@ def drawn_like_block(op, x: torch.Tensor, args: tuple, kwargs: dict, shape: tupl
 # tensor: the local input may be laid out differently from the single-device one (a collective
 # returns it contiguous), and the draw follows the layout.
 
-@lowering(DROPOUT)
+@lowering(DROPOUT, NATIVE_DROPOUT)
 def lower_dropout(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
-    """Draw the whole mask, keep the block (the unchanged op where nothing is drawn)."""
+    """Draw the whole mask, keep the block (of output, and of the mask native_dropout returns);
+    the unchanged op where nothing is drawn."""
     if not dropout_draws(call):
         return call.target, args, kwargs
     x = call.inputs[0]
-    return dropout_block, (args[0] if args else kwargs["input"], float(call.arg(1, "p")),
-                           x.shape, _layout(x), _block(call, ctx)), {}
-
-
-@lowering(NATIVE_DROPOUT)
-def lower_native_dropout(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
-    """Draw the whole mask, keep the block of output and mask."""
-    if not dropout_draws(call):
-        return call.target, args, kwargs
-    x = call.inputs[0]
-    return native_dropout_block, (args[0] if args else kwargs["input"], float(call.arg(1, "p")),
-                                  call.arg(2, "train", None), x.shape, _layout(x),
-                                  _block(call, ctx)), {}
+    head = (args[0] if args else kwargs["input"], float(call.arg(1, "p")))
+    tail = (x.shape, _layout(x), _block(call, ctx))
+    if call.target == NATIVE_DROPOUT:
+        return native_dropout_block, (*head, call.arg(2, "train", None), *tail), {}
+    return dropout_block, (*head, *tail), {}
 
 
 @lowering(*DRAWN_LIKE)

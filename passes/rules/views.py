@@ -169,6 +169,14 @@ def split(call: OpCall) -> list[Rule1D]:
     return rules
 
 
+def _joined(k: int, out_dim: dict[int, int]) -> list[Rule1D]:
+    """Rules of an op joining `k` inputs alike: each input sharded on dimension j gives the
+    output sharded on `out_dim[j]`; all replicated, or all pending sums."""
+    rules = [Rule1D(tuple(Shard(j) for _ in range(k)), Shard(o)) for j, o in out_dim.items()]
+    rules += [Rule1D(tuple(R for _ in range(k)), R), Rule1D(tuple(P for _ in range(k)), P)]
+    return dedupe(rules)
+
+
 @register(aten.cat.default)
 def cat(call: OpCall) -> list[Rule1D]:
     """Concatenate along one dimension: all inputs sharded alike on another dimension."""
@@ -177,9 +185,7 @@ def cat(call: OpCall) -> list[Rule1D]:
     k = len(call.inputs)
     if any(t.ndim != n for t in call.inputs):  # legacy empty 1-D tensors: keep it simple
         return [Rule1D(tuple(R for _ in range(k)), R)]
-    rules = [Rule1D(tuple(Shard(j) for _ in range(k)), Shard(j)) for j in range(n) if j != dim]
-    rules += [Rule1D(tuple(R for _ in range(k)), R), Rule1D(tuple(P for _ in range(k)), P)]
-    return rules
+    return _joined(k, {j: j for j in range(n) if j != dim})
 
 
 @register(aten.stack.default)
@@ -187,11 +193,7 @@ def stack(call: OpCall) -> list[Rule1D]:
     """Stack along a new dimension."""
     n = call.out_ndim
     dim = norm_dim(call.arg(1, "dim", 0), n)
-    k = len(call.inputs)
-    rules = [Rule1D(tuple(Shard(j) for _ in range(k)), Shard(j if j < dim else j + 1))
-             for j in range(n - 1)]
-    rules += [Rule1D(tuple(R for _ in range(k)), R), Rule1D(tuple(P for _ in range(k)), P)]
-    return dedupe(rules)
+    return _joined(len(call.inputs), {j: j if j < dim else j + 1 for j in range(n - 1)})
 
 
 @register(aten.repeat_interleave.self_int)
