@@ -144,7 +144,7 @@ def modules(plan) -> str:
               "Rn: n ops replicated")]
     for group in module_groups(plan):
         if not group.layer:
-            table.append(_cells(plan, group.label, group.rows[""]))
+            table.append(cells(plan, group.label, group.rows[""]))
             continue
         count = group.count
         stage = {o.stage for r in group.rows.values() for o in r.ops}
@@ -152,7 +152,7 @@ def modules(plan) -> str:
         table.append((group.label + (f"  x{count}" if count > 1 else ""), "", where,
                       ms(group.time), "", "ms: all; rows: 1 layer" if count > 1 else ""))
         for r, sub in group.rows.items():
-            table.append(_cells(plan, "  " + (r or "(layer)"), sub))
+            table.append(cells(plan, "  " + (r or "(layer)"), sub))
     lines = header(plan) + [""] + _columns(table) + [""]
     lines += parameter_lines(plan) + [""] + collective_lines(plan) + [""]
     lines += [part for line in cost_lines(plan.cost) + footer(plan)
@@ -170,7 +170,9 @@ def _run(layers: dict[int, dict[str, ModuleRow]], first: int) -> list[int]:
     return run
 
 
-def _cells(plan, label: str, row: ModuleRow) -> tuple[str, ...]:
+def cells(plan, label: str, row: ModuleRow) -> tuple[str, ...]:
+    """A module's row of the table: label, its parameters' placements, its heaviest op with
+    the placements of its inputs and output, ms, collectives, replicated ops and why."""
     names = plan.mesh.names
     params = ",".join(dict.fromkeys(row.params)) or "-"
     heavy = max(row.ops, key=lambda o: o.time, default=None)
