@@ -56,6 +56,7 @@ def number(key: str, value: str, unit: str = "") -> str:
 
 
 def section(title: str, body: str, key: str) -> str:
+    """One titled part of the page, its element id `key`."""
     return f'<section id="{key}"><h2>{escape(title)}</h2>\n{body}\n</section>'
 
 
@@ -111,8 +112,9 @@ def timeline_section(plan) -> str:
     return section("Predicted step", note + bar_rows(rows, at), "timeline")
 
 
-def memory_rows(label: str, memory: dict[str, float], scale: float) -> list:
-    """One bar per memory kind, stacked along one row's worth of labels."""
+def memory_rows(label: str, memory: dict[str, float]) -> list:
+    """Rows for `bar_rows`: one per memory kind (bytes), each starting where the previous
+    ends, so that the last ends at their total."""
     rows, at = [], 0.0
     for kind, size in memory.items():
         rows.append((f"{label}{kind}", at, size, COLORS.get(kind, OTHER),
@@ -125,7 +127,7 @@ def memory_section(plan) -> str:
     """Memory per device by kind (stacked), and the peak against the budget."""
     cost = plan.cost
     peak, budget = cost.peak_memory, cost.memory_budget
-    body = bar_rows(memory_rows("", cost.memory, peak), peak)
+    body = bar_rows(memory_rows("", cost.memory), peak)
     if budget:
         used = 100 * peak / budget
         body += (f"<p>peak {mib(peak)} MiB of the {mib(budget)} MiB budget ({used:.1f}%)</p>"
@@ -244,7 +246,7 @@ def pipeline_section(plan) -> str:
              f"</th><th>in flight</th></tr>{stages}</table>")
     ranks = []
     for r, memory in enumerate(pipe.rank_memory):
-        ranks += memory_rows(f"pp rank {r}: ", memory, 1.0)
+        ranks += memory_rows(f"pp rank {r}: ", memory)
     if ranks:
         body += "<h3>Memory per device of each pp rank</h3>" + bar_rows(
             ranks, max(sum(m.values()) for m in pipe.rank_memory))
