@@ -1,7 +1,7 @@
 """The `autopar` command: plan a model, show and explain saved plans, calibrate a machine.
 
     autopar plan llama3-8b --mesh 8x8 --names dp,tp --hardware h100 --batch 64 --seq 2048 \\
-        --precision bf16-mixed -o plan.json
+        --precision bf16-mixed -o plan.json --html plan.html
     autopar plan path/to/config.json --devices 64          # the planner chooses the mesh
     autopar plan mypkg.models:build --mesh 4                 # a function that builds the model
     autopar show plan.json [--detail ops]
@@ -73,6 +73,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--force", help="pin mesh dimensions to a style, e.g. dp=fsdp,tp=tensor")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
     p.add_argument("-o", "--output", help="write the plan JSON here")
+    p.add_argument("--html", help="write the plan's HTML report here (Plan.to_html)")
     p.add_argument("--detail", choices=("modules", "ops"), default="modules")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(run=run_plan)
@@ -118,9 +119,12 @@ def run_plan(args) -> int:
                         options=options)
     if args.output:
         plan.save(args.output)
+    if args.html:
+        plan.to_html(args.html)
     print(plan.table(detail=args.detail))
-    if args.output:
-        print(f"\nwrote {args.output}")
+    for path in (args.output, args.html):
+        if path:
+            print(f"\nwrote {path}")
     return 0
 
 

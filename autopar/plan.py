@@ -13,6 +13,7 @@ from autopar.passes.recompute import Recompute
 from .explain import Explanation, explain
 from .mesh import MeshSpec
 from .options import PlanOptions
+from .report import write as write_report
 from .table import mib, ms
 from .table import modules as module_table
 from .table import ops as op_table
@@ -261,6 +262,13 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+    def to_html(self, path: str) -> None:
+        """Write the plan as one self-contained HTML page at `path` (nothing fetched when it
+        opens): the module tree with placements per mesh dimension, the predicted step as a
+        chart, memory per device against the budget, the collectives ranked by time,
+        recomputation and accumulation, and a pipeline's schedule (autopar/report.py)."""
+        write_report(self, path)
 
     def explain(self, name: str) -> Explanation:
         """Why `name` (an op group, a parameter, or a module such as "layers.0.self_attn")

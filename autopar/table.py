@@ -51,12 +51,13 @@ def header(plan) -> list[str]:
 # -- the module view -------------------------------------------------------------------------
 
 @dataclass
-class _Row:
+class ModuleRow:
     """What one module does in one layer (or once, outside the layers)."""
 
     params: list[str] = field(default_factory=list)      # storage placements, in order
     ops: list = field(default_factory=list)              # OpEntry
     collectives: list = field(default_factory=list)      # Collective
+    names: list[str] = field(default_factory=list)       # its parameters, in `params`' order
 
     def signature(self) -> tuple:
         return (tuple(self.params),
@@ -86,44 +87,72 @@ def _split(path: str, container: str | None) -> tuple[int | None, str]:
     return None, path
 
 
-def modules(plan) -> str:
-    """The plan grouped by the model's modules, identical layers folded (what print shows)."""
+@dataclass
+class ModuleGroup:
+    """One block of the module view: a module outside the layers (`count` 1, one row labelled
+    "") or a run of consecutive layers planned alike (`label` "h.0-11", `count` 12, one row per
+    module inside a layer, keyed by its path inside the layer)."""
+
+    label: str
+    count: int
+    rows: dict[str, ModuleRow]
+    layer: bool = False
+
+    @property
+    def time(self) -> float:
+        """Seconds of all its ops (forward + backward), every folded layer counted."""
+        return sum(o.time for r in self.rows.values() for o in r.ops) * self.count
+
+
+def module_groups(plan) -> list[ModuleGroup]:
+    """The plan's ops, parameters and collectives by the model's modules (their
+    `nn_module_stack` path), in graph order, identical consecutive layers folded into one."""
     container = layer_container([o.module for o in plan.ops])
-    rows: dict[tuple[int | None, str], _Row] = {}
+    rows: dict[tuple[int | None, str], ModuleRow] = {}
     for o in plan.ops:
-        rows.setdefault(_split(o.module, container), _Row()).ops.append(o)
+        rows.setdefault(_split(o.module, container), ModuleRow()).ops.append(o)
     owner = {o.name: _split(o.module, container) for o in plan.ops}
     for name, p in plan.parameters.items():
         key = _split(name.rpartition(".")[0], container)
-        rows.setdefault(key, _Row()).params.append(fmt(p))
+        row = rows.setdefault(key, ModuleRow())
+        row.params.append(fmt(p))
+        row.names.append(name)
         owner[name] = key
     for c in plan.collectives:
         if c.at in owner:
             rows[owner[c.at]].collectives.append(c)
-    layers: dict[int, dict[str, _Row]] = {}
+    layers: dict[int, dict[str, ModuleRow]] = {}
     for (layer, rel), row in rows.items():
         if layer is not None:
             layers.setdefault(layer, {})[rel] = row
-    table = [("module", "params", "heaviest op: inputs -> output", "ms", "collectives",
-              "Rn: n ops replicated")]
+    groups: list[ModuleGroup] = []
     done: set[int] = set()
     for (layer, rel), row in rows.items():
         if layer is None:
-            table.append(_cells(plan, rel or "(model)", row))
+            groups.append(ModuleGroup(rel or "(model)", 1, {"": row}))
+        elif layer not in done:
+            run = _run(layers, layer)
+            done.update(run)
+            label = f"{container}.{run[0]}" + (f"-{run[-1]}" if len(run) > 1 else "")
+            groups.append(ModuleGroup(label, len(run), layers[layer], layer=True))
+    return groups
+
+
+def modules(plan) -> str:
+    """The plan grouped by the model's modules, identical layers folded (what print shows)."""
+    table = [("module", "params", "heaviest op: inputs -> output", "ms", "collectives",
+              "Rn: n ops replicated")]
+    for group in module_groups(plan):
+        if not group.layer:
+            table.append(cells(plan, group.label, group.rows[""]))
             continue
-        if layer in done:
-            continue
-        run = _run(layers, layer)
-        done.update(run)
-        count = len(run)
-        label = f"{container}.{run[0]}" + (f"-{run[-1]}" if count > 1 else "")
-        total = sum(o.time for r in layers[layer].values() for o in r.ops) * count
-        stage = {o.stage for r in layers[layer].values() for o in r.ops}
+        count = group.count
+        stage = {o.stage for r in group.rows.values() for o in r.ops}
         where = f"stage {min(stage)}" if getattr(plan, "pipeline", None) else ""
-        table.append((label + (f"  x{count}" if count > 1 else ""), "", where, ms(total), "",
-                      "ms: all; rows: 1 layer" if count > 1 else ""))
-        for r, sub in layers[layer].items():
-            table.append(_cells(plan, "  " + (r or "(layer)"), sub))
+        table.append((group.label + (f"  x{count}" if count > 1 else ""), "", where,
+                      ms(group.time), "", "ms: all; rows: 1 layer" if count > 1 else ""))
+        for r, sub in group.rows.items():
+            table.append(cells(plan, "  " + (r or "(layer)"), sub))
     lines = header(plan) + [""] + _columns(table) + [""]
     lines += parameter_lines(plan) + [""] + collective_lines(plan) + [""]
     lines += [part for line in cost_lines(plan.cost) + footer(plan)
@@ -131,7 +160,7 @@ def modules(plan) -> str:
     return "\n".join(_fit(line) for line in lines)
 
 
-def _run(layers: dict[int, dict[str, _Row]], first: int) -> list[int]:
+def _run(layers: dict[int, dict[str, ModuleRow]], first: int) -> list[int]:
     """`first` and the layers after it planned exactly like it (consecutive indices)."""
     sig = {r: row.signature() for r, row in layers[first].items()}
     run = [first]
@@ -141,7 +170,9 @@ def _run(layers: dict[int, dict[str, _Row]], first: int) -> list[int]:
     return run
 
 
-def _cells(plan, label: str, row: _Row) -> tuple[str, ...]:
+def cells(plan, label: str, row: ModuleRow) -> tuple[str, ...]:
+    """A module's row of the table: label, its parameters' placements, its heaviest op with
+    the placements of its inputs and output, ms, collectives, replicated ops and why."""
     names = plan.mesh.names
     params = ",".join(dict.fromkeys(row.params)) or "-"
     heavy = max(row.ops, key=lambda o: o.time, default=None)

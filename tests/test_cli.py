@@ -33,14 +33,16 @@ def autopar(*args, check=True):
 def test_plan_from_a_config(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_LLAMA))
-    out = tmp_path / "plan.json"
+    out, html = tmp_path / "plan.json", tmp_path / "plan.html"
     done = autopar("plan", str(config), "--mesh", "2x2", "--names", "dp,tp", "--hardware",
-                   "cpu", "--batch", "4", "--seq", "16", "--precision", "fp32", "-o", str(out))
+                   "cpu", "--batch", "4", "--seq", "16", "--precision", "fp32", "-o", str(out),
+                   "--html", str(html))
     assert "model.layers.0-1  x2" in done.stdout and "predicted step" in done.stdout
     assert "Running HiGHS" not in done.stdout
     assert done.stderr.count("autopar [") == 0  # not a terminal: no progress
     saved = json.loads(out.read_text())
     assert saved["mesh"]["shape"] == [2, 2]
+    assert 'id="step-time"' in html.read_text() and f"wrote {html}" in done.stdout
 
 
 def test_show_and_explain_a_saved_plan(tmp_path):
