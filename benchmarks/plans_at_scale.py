@@ -3,7 +3,8 @@
 A100-80GB meshes with the tensor-parallel degree Megatron used, bf16-mixed AdamW.
 
     python -m benchmarks.plans_at_scale      # 1.7B on 32 GPUs, 7.5B on 128, 18.4B on 256,
-                                             # 39.1B on 512 (pipelined: 2 stages)
+                                             # 39.1B on 512 (pipelined: 2 stages); Llama-3
+                                             # 8B on 8x8 H100, 70B on 32x8
     python -m benchmarks.plans_at_scale --recompute none  # as before recomputation existed
 
 For each model: the seconds `autopar.plan` takes, the predicted step, memory per device against
@@ -19,7 +20,7 @@ import time
 import torch
 
 import autopar
-from autopar.zoo import GPT, GPTConfig, lm_loss
+from autopar.zoo import GPT, GPTConfig, hf_llama, lm_loss
 
 # name: (layers, hidden, heads, mesh shape, mesh names, global batch) from Megatron-LM's table
 MODELS = {
@@ -28,16 +29,37 @@ MODELS = {
     "18.4B": (40, 6144, 48, (32, 8), ("dp", "tp"), 1024),
     "39.1B": (48, 8192, 64, (32, 2, 8), ("dp", "pp", "tp"), 1536),
 }
+# Llama-3 shapes (Hugging Face Llama from config, sequence 4096) on H100 meshes:
+# name: (layers, hidden, heads, KV heads, FFN, mesh shape, mesh names, global batch)
+LLAMAS = {
+    "llama3-8b": (32, 4096, 32, 8, 14336, (8, 8), ("dp", "tp"), 64),
+    "llama3-70b": (80, 8192, 64, 8, 28672, (32, 8), ("dp", "tp"), 256),
+}
 
 
-def plan(name: str, recompute: str | None, seq: int = 2048):
-    """Plan the GPT `name` on its mesh; returns (plan, seconds)."""
-    layers, hidden, heads, shape, names, batch = MODELS[name]
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=51200, block_size=seq, n_layer=layers, n_head=heads,
-                              n_embd=hidden))
+def build(name: str):
+    """(meta-device model, token batch, mesh) for a model of MODELS or LLAMAS."""
+    if name in LLAMAS:
+        layers, hidden, heads, kv, ffn, shape, names, batch = LLAMAS[name]
+        seq, hardware = 4096, "h100"
+        with torch.device("meta"):
+            model = hf_llama(num_hidden_layers=layers, hidden_size=hidden,
+                             num_attention_heads=heads, num_key_value_heads=kv,
+                             intermediate_size=ffn, vocab_size=128256,
+                             max_position_embeddings=seq)
+    else:
+        layers, hidden, heads, shape, names, batch = MODELS[name]
+        seq, hardware = 2048, "a100"
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=51200, block_size=seq, n_layer=layers,
+                                  n_head=heads, n_embd=hidden))
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-    spec = autopar.MeshSpec(shape, names=names, hardware="a100")
+    return model, ids, autopar.MeshSpec(shape, names=names, hardware=hardware)
+
+
+def plan(name: str, recompute: str | None):
+    """Plan model `name` on its mesh; returns (plan, seconds)."""
+    model, ids, spec = build(name)
     start = time.perf_counter()
     p = autopar.plan(model, spec, (ids, ids), loss_fn=lm_loss, precision="bf16-mixed",
                      recompute=recompute, time_limit=60)
@@ -46,7 +68,7 @@ def plan(name: str, recompute: str | None, seq: int = 2048):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join([*MODELS, *LLAMAS]))
     ap.add_argument("--recompute", default=None, help="none, selective or full (default: the "
                     "planner decides)")
     ap.add_argument("--tables", action="store_true", help="print each plan's table too")
@@ -56,7 +78,7 @@ def main() -> None:
         try:
             p, secs = plan(name, args.recompute)
         except autopar.NoFeasiblePlan as e:
-            rows.append(f"| {name} | {MODELS[name][3]} | no plan: {str(e)[:120]} |||||")
+            rows.append(f"| {name} | - | no plan: {str(e)[:200]} |||||")
             continue
         mem = p.cost.memory
         micro = p.pipeline.microbatches if p.pipeline is not None else p.accumulation
