@@ -3,8 +3,8 @@
 A100-80GB meshes with the tensor-parallel degree Megatron used, bf16-mixed AdamW.
 
     python -m benchmarks.plans_at_scale      # 1.7B on 32 GPUs, 7.5B on 128, 18.4B on 256,
-                                             # 39.1B on 512 (pipelined: 2 stages); Llama-3
-                                             # 8B on 8x8 H100, 70B on 32x8
+                                             # 39.1B on 512 (pipelined: 2 stages)
+    python -m benchmarks.plans_at_scale --models llama3-8b,llama3-70b   # on H100 meshes
     python -m benchmarks.plans_at_scale --recompute none  # as before recomputation existed
 
 For each model: the seconds `autopar.plan` takes, the predicted step, memory per device against
@@ -68,7 +68,9 @@ def plan(name: str, recompute: str | None):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default=",".join([*MODELS, *LLAMAS]))
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help=f"of {', '.join([*MODELS, *LLAMAS])} (the Llama-3 shapes take over 10 "
+                    "minutes together on a 2-core machine)")
     ap.add_argument("--recompute", default=None, help="none, selective or full (default: the "
                     "planner decides)")
     ap.add_argument("--tables", action="store_true", help="print each plan's table too")
