@@ -221,9 +221,9 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
             plain = plain or level == levels[0]
             if plan.cost.peak_memory < BINDING * plan.cost.memory_budget:
                 break  # memory does not bind: recomputing more would only cost time
-        since += bool(found)
-        # More microbatches only cost more once a plan fits without recomputing (or a couple
-        # of counts after the first that fits at all).
+        since += bool(found)  # counts tried since (and with) the first where a plan fits
+        # More microbatches only cost more once a plan fits without recomputing, or at the
+        # count after the first that fits at all.
         if plain or since >= 2:
             break
     if found:

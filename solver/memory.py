@@ -313,12 +313,11 @@ def kept_edge_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slot: i
     dtype = graph.nodes[u].out_dtypes[idx or 0]
     shape = consumer.in_shapes[slot]
     try:
-        steps = cost.reshard_steps(shape, src, dst) if src != dst else []
+        moved = _collective_output(cost, shape, src, dst)
     except ValueError:  # no such resharding: the edge is infeasible anyway
         return 0.0
-    collectives = [s for s in steps if s.kind != "slice"]
-    if collectives:  # a new tensor, shared by the ops that reshard this one alike
-        return cost.nbytes(collectives[-1].out_shape, dtype) / kept.direct
+    if moved is not None:  # a new tensor, shared by the ops that reshard this one alike
+        return cost.nbytes(moved, dtype) / kept.direct
     if kept.held and not _cast_for_compute(cost, graph.nodes[u], dtype):
         return 0.0
     return cost.nbytes(local_shape(shape, src, cost.shape), dtype) * kept.scale / kept.share
@@ -338,18 +337,26 @@ def _region_input_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slo
     dtype = producer.out_dtypes[idx or 0]
     shape = consumer.in_shapes[slot]
     try:
-        steps = cost.reshard_steps(shape, src, dst) if src != dst else []
+        moved = _collective_output(cost, shape, src, dst)
     except ValueError:
         return 0.0
-    collectives = [s for s in steps if s.kind != "slice"]
-    if collectives:  # collectives are never recomputed: their result is kept
-        return float(cost.nbytes(collectives[-1].out_shape, dtype))
+    if moved is not None:  # collectives are never recomputed: their result is kept
+        return float(cost.nbytes(moved, dtype))
     if r.block_of.get(u) == block:
         return 0.0
     if producer.kind in (PARAM, INPUT, CONSTANT) and not _cast_for_compute(cost, producer, dtype):
         return 0.0
     share = max(1, cost.region_uses.get((u, idx, block), 1))
     return cost.nbytes(local_shape(shape, src, cost.shape), dtype) / share
+
+
+def _collective_output(cost: Prices, shape, src, dst):
+    """The local shape the last collective of resharding `shape` from `src` to `dst` makes
+    (a new tensor), or None when nothing is communicated (a local slice is a view); raises
+    ValueError when there is no such resharding."""
+    steps = cost.reshard_steps(shape, src, dst) if src != dst else []
+    collectives = [s for s in steps if s.kind != "slice"]
+    return collectives[-1].out_shape if collectives else None
 
 
 def _cast_for_compute(cost: Prices, node: SNode, dtype: torch.dtype) -> bool:
