@@ -53,23 +53,25 @@ def make_norm(name, dim):
 
 
 class ResidualBlock(nn.Module):
-    def __init__(self, width, norm="layernorm", activation="gelu"):
+    def __init__(self, width, norm="layernorm", activation="gelu", dropout=0.0):
         super().__init__()
         self.norm = make_norm(norm, width)
         self.fc1 = nn.Linear(width, width)
         self.act = make_activation(activation)
         self.fc2 = nn.Linear(width, width)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
-        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+        return x + self.drop(self.fc2(self.act(self.fc1(self.norm(x)))))
 
 
 class ResidualMLP(nn.Module):
-    """depth blocks of x = x + Linear(act(Linear(norm(x))))."""
+    """depth blocks of x = x + dropout(Linear(act(Linear(norm(x)))))."""
 
-    def __init__(self, width, depth, norm="layernorm", activation="gelu"):
+    def __init__(self, width, depth, norm="layernorm", activation="gelu", dropout=0.0):
         super().__init__()
-        self.blocks = nn.ModuleList([ResidualBlock(width, norm, activation) for _ in range(depth)])
+        self.blocks = nn.ModuleList([ResidualBlock(width, norm, activation, dropout)
+                                     for _ in range(depth)])
 
     def forward(self, x):
         for block in self.blocks:
@@ -120,6 +122,7 @@ class TinyConfig:
     seq: int = 4
     tied: bool = True
     norm: str = "rmsnorm"
+    dropout: float = 0.0  # on each block's attention and MLP outputs (residual dropout)
 
 
 class TinyAttention(nn.Module):
@@ -154,10 +157,11 @@ class TinyBlock(nn.Module):
         self.attn = TinyAttention(c)
         self.up = nn.Linear(c.hidden, 2 * c.hidden)
         self.down = nn.Linear(2 * c.hidden, c.hidden)
+        self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x):
-        x = x + self.attn(self.n1(x))
-        return x + self.down(F.silu(self.up(self.n2(x))))
+        x = x + self.drop(self.attn(self.n1(x)))
+        return x + self.drop(self.down(F.silu(self.up(self.n2(x)))))
 
 
 class TinyTransformer(nn.Module):
@@ -254,11 +258,12 @@ class MoEBlock(nn.Module):
         self.n1, self.n2 = make_norm(c.norm, c.hidden), make_norm(c.norm, c.hidden)
         self.attn = TinyAttention(c)
         self.moe = MoE(c)
+        self.drop = nn.Dropout(c.dropout)
 
     def forward(self, x):
-        x = x + self.attn(self.n1(x))
+        x = x + self.drop(self.attn(self.n1(x)))
         y, aux = self.moe(self.n2(x))
-        return x + y, aux
+        return x + self.drop(y), aux
 
 
 class MoETransformer(nn.Module):

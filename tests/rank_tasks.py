@@ -124,7 +124,7 @@ def build_family(family: str, cfg: dict):
         return model, torch.nn.functional.cross_entropy, (x, y)
     if family == "residual":
         model = models.ResidualMLP(cfg["width"], cfg["depth"], norm=cfg["norm"],
-                                   activation=cfg["activation"])
+                                   activation=cfg["activation"], dropout=cfg.get("dropout", 0.0))
         x = torch.randn(cfg["batch"], cfg["seq"], cfg["width"])
         return model, torch.nn.functional.mse_loss, (x, torch.randn_like(x))
     if family == "tiny":
@@ -157,7 +157,9 @@ def grads_of(params: dict) -> dict:
 def check_training(pm, ref, loss_fn, x, y, steps: int) -> None:
     """Train the parallel model `pm` and the single-device `ref` side by side for `steps`
     AdamW steps: the loss of every step, the gradients of the first, the parameters and buffers
-    after the last and the inference output must all be equal."""
+    after the last and the inference output must all be equal. The random generator is seeded
+    alike before each step on every rank and before the single-device step, so a model with
+    dropout draws the same masks (each rank its block of them)."""
     # eps 1e-5 rather than 1e-8: some parameters (attention key biases) have an exactly zero
     # true gradient, and AdamW with a tiny eps divides float noise by float noise, turning
     # reassociation differences of 1e-9 into parameter differences of lr.
@@ -166,8 +168,10 @@ def check_training(pm, ref, loss_fn, x, y, steps: int) -> None:
     ref_params = dict(ref.named_parameters())
     for step in range(steps):
         opt.zero_grad()
+        torch.manual_seed(100 + step)
         loss = pm.step(x, y)
         ref_opt.zero_grad()
+        torch.manual_seed(100 + step)
         ref_loss = loss_fn(ref(x), y)
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
@@ -179,7 +183,10 @@ def check_training(pm, ref, loss_fn, x, y, steps: int) -> None:
     state = pm.state_dict()  # buffers come whole: those updated in forward took every update
     check_equal("buffer", state, {n: b for n, b in ref.named_buffers() if n in state})
     with torch.no_grad():
-        torch.testing.assert_close(pm(x), ref(x), rtol=RTOL, atol=ATOL)
+        torch.manual_seed(99)
+        got = pm(x)
+        torch.manual_seed(99)
+        torch.testing.assert_close(got, ref(x), rtol=RTOL, atol=ATOL)
 
 
 def train_equivalence(name, mesh_shape: tuple, force=None, steps: int = 3,
@@ -346,25 +353,32 @@ class MixedReference:
 
 
 def mixed_precision_errors(name, mesh_shape: tuple, force=None, steps: int = 2,
-                           recompute: str | None = None) -> dict:
+                           recompute: str | None = None, plan: dict | None = None) -> dict:
     """bf16-mixed training of `name` against MixedReference, as relative errors: the loss of
     every step; the gradients of the first (per tensor: max |difference| / max |reference|);
     the total update of the parameters after `steps` SGD steps (same measure: SGD, since
     Adam's normalization turns bfloat16 noise on near-zero gradients into whole steps, on one
-    device too). The master parameters stay float32. `recompute`: PlanOptions.recompute."""
+    device too). The master parameters stay float32. `recompute`: PlanOptions.recompute;
+    `plan` (as data, made with precision="bf16-mixed"): run it rather than the solver's."""
     model, loss_fn, (x, y) = build(name)
     ref = MixedReference(copy.deepcopy(model))
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
-                             example_inputs=(x, y), force=force, precision="bf16-mixed",
-                             recompute=recompute)
+    if plan is not None:
+        pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
+                                 example_inputs=(x, y), plan=autopar.Plan.from_dict(plan))
+    else:
+        pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
+                                 example_inputs=(x, y), force=force, precision="bf16-mixed",
+                                 recompute=recompute)
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.master.parameters(), lr=0.1)
     errors = {"loss": 0.0, "gradient": 0.0, "update": 0.0}
     for step in range(steps):
         opt.zero_grad()
         ref_opt.zero_grad()
+        torch.manual_seed(100 + step)  # a model with dropout draws the same masks
         loss = pm.step(x, y)
+        torch.manual_seed(100 + step)
         ref_loss = ref.step(loss_fn, x, y)
         errors["loss"] = max(errors["loss"], abs(float(loss - ref_loss)) / abs(float(ref_loss)))
         if step == 0:
