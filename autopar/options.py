@@ -40,6 +40,14 @@ class PlanOptions:
                       block; None (the default): the planner recomputes only when the plan
                       does not fit otherwise, choosing the fastest that fits. Blocks the model
                       runs under torch.utils.checkpoint recompute in full unless "none".
+    FSDP:
+      reshard_after_forward  for parameters stored sharded and gathered whole for their use
+                      (FSDP): True frees each gathered parameter after its last use in forward
+                      and gathers it again for backward (FSDP2's reshard_after_forward=True);
+                      False keeps it gathered from forward to backward (faster, more memory);
+                      None (the default): the planner decides per parameter, keeping gathered
+                      what the memory budget holds, the last used in forward first (backward
+                      needs them first)
     Microbatches:
       microbatches    on a mesh without "pp": gradient accumulation over that many
                       microbatches a step (None: the planner accumulates only when the whole
@@ -69,6 +77,7 @@ class PlanOptions:
     precision: str = "fp32"
     profile: Any = field(default=None, compare=False)
     recompute: str | None = None
+    reshard_after_forward: bool | None = None
     microbatches: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
@@ -92,6 +101,9 @@ class PlanOptions:
         _one_of("on_new_shape", self.on_new_shape, ON_NEW_SHAPE)
         if self.recompute is not None:
             _one_of("recompute", self.recompute, RECOMPUTE)
+        if self.reshard_after_forward not in (None, True, False):
+            raise ValueError("reshard_after_forward must be True, False or None (the planner "
+                             f"decides), not {self.reshard_after_forward!r}")
         if self.microbatches is not None and self.microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, not {self.microbatches}")
 

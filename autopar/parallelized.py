@@ -274,7 +274,10 @@ class Parallelized(nn.Module):
         if placement is not None:
             first = next(iter(graph.nodes[n] for n in program.inputs))
             per_rank = (placement, first.out_shapes[0][0])
-        programs = rewrite(program, graph, choice, self._coords, self._comm, per_rank)
+        programs = rewrite(program, graph, choice, self._coords, self._comm, per_rank,
+                           free_after_forward=frozenset(
+                               n for n, name in program.params.items()
+                               if name in set(plan.resharded)))
         if programs.train is not None:  # the blocks the plan recomputes run under checkpoint
             wrap_recomputed(programs.train, plan.recompute)
         constants = self._constants(program)

@@ -174,6 +174,9 @@ class Plan:
     # rest of the plan fixed (solver/alternatives.py; what `explain` shows)
     alternatives: dict = field(default_factory=dict)
     recompute: Recompute = NO_RECOMPUTE  # ops recomputed in backward (passes/recompute.py)
+    # parameters (model names) gathered whole for their use (FSDP) whose gathered copies are
+    # freed after forward and gathered again for backward (reshard after forward)
+    resharded: list[str] = field(default_factory=list)
 
     @property
     def submesh_shape(self) -> tuple[int, ...]:
@@ -191,7 +194,8 @@ class Plan:
         decision = {"mesh": list(self.mesh.shape), "graph": self.graph_fingerprint,
                     "strategies": self.strategies, "options": self.options.decision(),
                     "accumulation": self.accumulation,
-                    "recompute": sorted(self.recompute.mode_of.items())}
+                    "recompute": sorted(self.recompute.mode_of.items()),
+                    "resharded": sorted(self.resharded)}
         if self.pipeline is not None:
             decision["pipeline"] = self.pipeline.decision()
         payload = json.dumps(decision, sort_keys=True)
@@ -218,6 +222,7 @@ class Plan:
             "mesh_search": self.mesh_search,
             "alternatives": self.alternatives,
             "recompute": self.recompute.to_dict(),
+            "resharded": sorted(self.resharded),
         }
         if self.pipeline is not None:
             out["pipeline"] = asdict(self.pipeline)
@@ -239,7 +244,7 @@ class Plan:
             PipelinePlan(**d["pipeline"]) if d.get("pipeline") else None,
             PlanOptions.from_dict(d.get("options", {})), d.get("accumulation", 1),
             d.get("mesh_search", []), d.get("alternatives", {}),
-            Recompute.from_dict(d.get("recompute")))
+            Recompute.from_dict(d.get("recompute")), list(d.get("resharded", [])))
 
     def save(self, path: str) -> None:
         """Write the plan as JSON."""

@@ -25,6 +25,7 @@ from autopar.passes.strategies import (
 )
 from autopar.passes.styles import allowed_strategies
 from autopar.passes.trace import TracedProgram
+from autopar.solver import resharding
 from autopar.solver import stages as pipe
 from autopar.solver.alternatives import alternatives, compact
 from autopar.solver.cost import CostModel
@@ -109,9 +110,14 @@ def _dims(mesh: MeshSpec) -> str:
 
 def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | None = None, *,
                storage: dict[str, Placements] | None = None,
-               fold_layers: bool = True, recompute: str | None = None
-               ) -> tuple[Plan, StrategyGraph]:
+               fold_layers: bool = True, recompute: str | None = None,
+               reshard: bool = False) -> tuple[Plan, StrategyGraph]:
     """Build strategies, solve the ILP and describe the result.
+
+    With `reshard` (and `options.reshard_after_forward` None) the ILP prices every parameter
+    gathered for its use as freed after forward, and the plan then keeps gathered what the
+    budget holds (solver/resharding.py); `options.reshard_after_forward` True or False
+    overrides it.
 
     `options.solver == "random"` draws a valid plan instead (seeded by `options.seed`): any
     plan the ILP could choose may come out, which is what the property tests run. With
@@ -127,8 +133,11 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     mode = recompute or options.recompute or "none"
     r = recompute_plan(program, graph, mode, keep_user=options.recompute != "none") \
         if program.has_loss else NO_RECOMPUTE
+    mode = options.reshard_after_forward
+    freed = mode is True or (mode is None and reshard)
     cost = CostModel(mesh, options.optimizer, graph=graph, precision=options.precision,
-                     recompute=r)
+                     recompute=r, reshard=frozenset(
+                         n for n, v in graph.nodes.items() if v.kind == PARAM) if freed else ())
     if options.profile not in (None, False):
         cost = cost.copy(measured=profiler(options.profile).measure(graph, cost))
     budget = options.memory_budget
@@ -136,8 +145,10 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
         budget = mesh.profile.memory * (1 - mesh.profile.memory_reserve)
     kept = kept_storage(graph, program, storage)
     if options.solver == "random":
-        drawn = random_choice(graph, cost, random.Random(options.seed), kept)
+        rng = random.Random(options.seed)
+        drawn = random_choice(graph, cost, rng, kept)
         choice = {n: graph.nodes[n].strategies[i] for n, i in drawn.items()}
+        cost = cost.copy(reshard=resharding.choose(graph, cost, choice, budget, mode, rng))
         return describe(program, graph, mesh, cost, choice, memory_budget=budget,
                         options=options), graph
     forced, discouraged = allowed_strategies(graph, styles)
@@ -155,6 +166,9 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     except NoFeasiblePlan:
         raise infeasible(graph, cost, budget, forced) from None
     choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
+    cost = cost.copy(reshard=resharding.choose(graph, cost, choice, budget,
+                                               mode if mode is not None else
+                                               (None if freed else False)))
     plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
                     options=options)
     found = alternatives(graph, cost, choice, forced=forced, discouraged=discouraged,
@@ -193,19 +207,23 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
         counts = [options.microbatches]
     else:
         counts = pipe.divisors(batch, batch) if batch else [1]
-    # Recomputation levels, cheapest first: only what the model checkpoints itself, then
-    # selective, then full recomputation of every layer block.
-    levels = ["none"] if not accumulate else \
+    # Ways to free memory, cheapest first: only what the model checkpoints itself, then FSDP
+    # parameters freed after forward where the budget needs it, then selective, then full
+    # recomputation of every layer block (with parameters freed after forward as needed).
+    recompute = ["none"] if not accumulate else \
         [options.recompute] if options.recompute is not None else list(RECOMPUTE)
+    levels = [(recompute[0], False)] + [(r, True) for r in recompute] \
+        if accumulate and options.reshard_after_forward is None else \
+        [(r, False) for r in recompute]
     error, found, tried, since = None, [], 0, 0
     for m in counts:
         program = trace_at(m)
         tried = m
         plain = False  # a plan fits at this count without recomputing more than levels[0]
-        for level in levels:
+        for level, reshard in levels:
             try:
                 plan, graph = solve_plan(program, mesh, options, storage=storage,
-                                         recompute=level)
+                                         recompute=level, reshard=reshard)
             except NoFeasiblePlan as e:
                 error = e
                 if e.activations_matter:
@@ -218,7 +236,7 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
                                      f"fewest that shrink the activations enough): {e}",
                                      e.dominant, e.activations_matter) from None
             found.append((accumulated(plan, m), graph, program, level))
-            plain = plain or level == levels[0]
+            plain = plain or level == recompute[0]
             if plan.cost.peak_memory < BINDING * plan.cost.memory_budget:
                 break  # memory does not bind: recomputing more would only cost time
         since += bool(found)  # counts tried since (and with) the first where a plan fits
@@ -229,7 +247,7 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
     if found:
         best = min(found, key=lambda f: f[0].cost.step_time)
         return best[0], best[1], best[2]
-    what = f"recomputation ({', '.join(levels)}) and " if len(levels) > 1 else ""
+    what = f"recomputation ({', '.join(recompute)}) and " if len(recompute) > 1 else ""
     raise NoFeasiblePlan(f"{error} (tried {what}gradient accumulation up to {tried} "
                          "microbatches)", error.dominant, error.activations_matter) from None
 
@@ -350,7 +368,8 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
                          compute_source="measured" if cost.measured else "roofline"),
                 strategies, fingerprint(graph), sol.solve_time if sol else 0.0,
                 sol.backend if sol else "given", graph.unsupported,
-                options=options or PlanOptions(), recompute=cost.recompute)
+                options=options or PlanOptions(), recompute=cost.recompute,
+                resharded=sorted(program.params.get(n, n) for n in cost.reshard))
 
 
 def why_replicated(node: SNode, strategy: Strategy, mesh: MeshSpec) -> str:

@@ -266,6 +266,10 @@ def footer(plan) -> list[str]:
                    if row["step_time"] is not None else f"no plan: {row['why'][:70]}")
             lines.append(f"  {shape:24s} {got}")
     lines += recompute_lines(plan.recompute)
+    if plan.resharded:
+        n = len(plan.resharded)
+        lines.append(f"reshard after forward: {n} FSDP parameter{'s' * (n != 1)} freed after "
+                     "forward, gathered again for backward; the others stay gathered")
     if plan.accumulation > 1:
         lines.append(f"gradient accumulation: {plan.accumulation} microbatches a step, "
                      "gradients synchronized once (the graph above is one microbatch)")

@@ -134,3 +134,17 @@ def _factor(placements: Placements, mesh_shape: Sequence[int], d: int) -> int:
     for k in shard_dims(placements, d):
         f *= mesh_shape[k]
     return f
+
+
+def single_gather(shape: Sequence[int], src: Placements, dst: Placements,
+                  mesh_shape: Sequence[int]) -> Step | None:
+    """The one all-gather that reshards `shape` from `src` to `dst`, when that is all the
+    resharding does on mesh dimensions of more than one device (a parameter gathered whole
+    from its storage shard for its use, FSDP's gather); else None."""
+    if tuple(src) == tuple(dst):
+        return None
+    try:
+        steps = [s for s in plan_steps(shape, src, dst, mesh_shape) if mesh_shape[s.mesh_dim] > 1]
+    except ReshardError:
+        return None
+    return steps[0] if len(steps) == 1 and steps[0].kind == "all_gather" else None

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 
-from autopar.passes.reshard import BUCKET_BYTES, buckets, plan_steps
+from autopar.passes.reshard import BUCKET_BYTES, buckets, plan_steps, single_gather
 
 from .emitted import META_KEY, Emitted
 from .placement import Placements, R, local_shape
@@ -45,7 +45,8 @@ class CommOps(Protocol):
                    mesh_dim: int) -> torch.Tensor: ...
     def all_gather_start(self, xs: list[torch.Tensor], dims: list[int], mesh_dim: int): ...
     def all_gather_many(self, xs: list[torch.Tensor], dims: list[int], mesh_dim: int,
-                        started=None) -> tuple[torch.Tensor, ...]: ...
+                        started=None, reshard: tuple[bool, ...] = ()
+                        ) -> tuple[torch.Tensor, ...]: ...
 
 
 @dataclass
@@ -65,13 +66,18 @@ def _slice(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
 def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Strategy],
             coords: tuple[int, ...], comm: CommOps,
             per_rank: tuple[Placements, int] | None = None,
-            prefetch: bool = True) -> LocalPrograms:
+            prefetch: bool = True, free_after_forward: frozenset[str] = frozenset()
+            ) -> LocalPrograms:
     """Build the local programs for the rank at mesh `coords`. Outputs come back whole; with
     `per_rank` (the placement per-rank inputs arrive in, and the global batch), an output
     whose dimension 0 is the batch comes back as this rank's rows, as its inputs were. With
     `prefetch` (the default), parameters gathered whole for their use (FSDP) are gathered in
-    buckets started before the first op; without it each is gathered just before its first
-    use (what a pipeline stage, holding some of the parameters, needs)."""
+    buckets, each bucket's gather started when the previous bucket's is first waited for
+    (one bucket in flight ahead of the one in use, as FSDP2 prefetches); without it each is
+    gathered just before its first use (what a pipeline stage, holding some of the
+    parameters, needs). The gathered copies of the parameters in `free_after_forward` (graph node
+    names) are marked to be freed after forward and gathered again for backward (the
+    runtime's `CommOps.resharding`)."""
     mesh_shape = graph.mesh_shape
     g = fx.Graph()
     local: dict[tuple[str, Any], fx.Node] = {}  # (node, out index) -> local value node
@@ -95,11 +101,14 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
                 consumer: str | None) -> fx.Node:
         key = (name, idx, dst)
         if key not in resharded and key in prefetched:
-            # The first use of a gathered bucket: wait for its all-gather here.
-            k, started, bucket = prefetched[key]
+            # The first use of a gathered bucket: start the next bucket's all-gather, then
+            # wait for this one's here.
+            k, j = prefetched[key]
+            bucket = chains[k][j]
+            start(k, j + 1)
             group = emit(comm.all_gather_many,
                          ([local[(p, None)] for p, _, _ in bucket], [d for _, _, d in bucket],
-                          k, started),
+                          k, started[(k, j)], tuple(p in free_after_forward for p, _, _ in bucket)),
                          Emitted("gather_wait", None, collective="all_gather", mesh_dim=k,
                                  consumer=consumer))
             for i, (p, d, _) in enumerate(bucket):
@@ -133,26 +142,33 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
         resharded[key] = x
         return x
 
+    # Parameters whose use is one all-gather from their storage shard (FSDP) are gathered
+    # together in buckets, one collective per bucket and mesh dimension (and one
+    # reduce-scatter of their gradients in backward) instead of one per parameter, in order of
+    # first use: the first bucket's gather starts before the first op, asynchronously, and
+    # each next one when the program first waits for the one before (prefetching).
     fsdp = _fsdp_gathers(graph, choice, mesh_shape) if prefetch else {}
-    prefetched: dict[tuple[str, Any, Placements], tuple[int, fx.Node, list]] = {}
-    gathered = False
-    for node in program.graph.nodes:
-        if node.op != "placeholder" and not gathered:
-            # Parameters whose use is one all-gather from their storage shard (FSDP) are
-            # gathered together in buckets, one collective per bucket and mesh dimension (and
-            # one reduce-scatter of their gradients in backward) instead of one per parameter.
-            # Every bucket's gather starts here, asynchronously, in order of first use; the
-            # program waits for a bucket just before its first use (prefetching).
-            for k, uses in fsdp.items():
-                for bucket in buckets(uses, lambda use: _use_bytes(use, graph, mesh_shape),
-                                      BUCKET_BYTES):
-                    started = emit(comm.all_gather_start,
+    chains = {k: buckets(uses, lambda use: _use_bytes(use, graph, mesh_shape), BUCKET_BYTES)
+              for k, uses in fsdp.items()}
+    prefetched: dict[tuple[str, Any, Placements], tuple[int, int]] = {
+        (p, None, dst): (k, j) for k, chain in chains.items()
+        for j, bucket in enumerate(chain) for p, dst, _ in bucket}
+    started: dict[tuple[int, int], fx.Node] = {}
+
+    def start(k: int, j: int) -> None:
+        if j < len(chains[k]) and (k, j) not in started:
+            bucket = chains[k][j]
+            started[(k, j)] = emit(comm.all_gather_start,
                                    ([local[(p, None)] for p, _, _ in bucket],
                                     [d for _, _, d in bucket], k),
                                    Emitted("gather_start", None, collective="all_gather",
                                            mesh_dim=k))
-                    for p, dst, _ in bucket:
-                        prefetched[(p, None, dst)] = (k, started, bucket)
+
+    gathered = False
+    for node in program.graph.nodes:
+        if node.op != "placeholder" and not gathered:
+            for k in chains:
+                start(k, 0)
             gathered = True
         if node.op == "placeholder":
             placeholders.append(node.name)
@@ -257,10 +273,9 @@ def _fsdp_gathers(graph: StrategyGraph, choice: dict[str, Strategy],
             if (u, dst) in seen:
                 continue
             seen.add((u, dst))
-            steps = [s for s in plan_steps(v.in_shapes[slot], choice[u].out(idx), dst,
-                                           mesh_shape) if mesh_shape[s.mesh_dim] > 1]
-            if len(steps) == 1 and steps[0].kind == "all_gather":
-                out.setdefault(steps[0].mesh_dim, []).append((u, dst, steps[0].dim))
+            step = single_gather(v.in_shapes[slot], choice[u].out(idx), dst, mesh_shape)
+            if step is not None:
+                out.setdefault(step.mesh_dim, []).append((u, dst, step.dim))
     return out
 
 

@@ -119,15 +119,8 @@ class _AllGatherMany(torch.autograd.Function):
         ctx.dims, ctx.group, ctx.shapes = dims, group, [x.shape for x in xs]
         ctx.set_materialize_grads(False)  # see backward
         if started is None:
-            started = _Gathering(xs, group)
-        rows = started.wait()
-        out, offset = [], 0
-        for x, d in zip(xs, dims):
-            full = torch.empty(_gathered(x.shape, d, n), dtype=x.dtype, device=x.device)
-            _blocks(full, x.shape, d, n).copy_(
-                rows[:, offset:offset + x.numel()].view(n, *x.shape))
-            out.append(full)
-            offset += x.numel()
+            started = Gathering(xs, group)
+        out = copy_out(started.wait(), xs, dims, n)
         # A frozen parameter's gathered copy carries no gradient, though its bucket's others do.
         ctx.mark_non_differentiable(*[o for x, o in zip(xs, out) if not x.requires_grad])
         return tuple(out)
@@ -161,7 +154,19 @@ class _AllGatherMany(torch.autograd.Function):
         return (None, None, None, *grads_in)
 
 
-class _Gathering:
+def copy_out(rows: torch.Tensor, xs, dims, n: int) -> list[torch.Tensor]:
+    """The whole tensors of shards `xs` (each concatenated along dims[i]) from the rows an
+    all-gather of their flattened concatenation made: (ranks, total shard elements)."""
+    out, offset = [], 0
+    for x, d in zip(xs, dims):
+        full = torch.empty(_gathered(x.shape, d, n), dtype=x.dtype, device=x.device)
+        _blocks(full, x.shape, d, n).copy_(rows[:, offset:offset + x.numel()].view(n, *x.shape))
+        out.append(full)
+        offset += x.numel()
+    return out
+
+
+class Gathering:
     """An all-gather of several shards in flight (launched asynchronously): `wait()` returns
     the gathered rows, (ranks, total shard elements)."""
 
@@ -200,6 +205,9 @@ class MeshComm:
 
     def __init__(self, groups: list):
         self.groups = groups
+        # while a training forward runs with parameters resharded after forward: the
+        # runtime.regather.Regathering that frees their gathered copies (see `all_gather_many`)
+        self.session = None
 
     def all_gather(self, x: torch.Tensor, dim: int, mesh_dim: int) -> torch.Tensor:
         """Concatenate the shards of mesh dimension `mesh_dim` along `dim`."""
@@ -219,13 +227,22 @@ class MeshComm:
         return _AllToAll.apply(x, split_dim, cat_dim, self.groups[mesh_dim])
 
     def all_gather_start(self, xs: list[torch.Tensor], dims: list[int],
-                         mesh_dim: int) -> _Gathering:
+                         mesh_dim: int) -> Gathering:
         """Launch the gather of several shards asynchronously (a prefetch); pass the result to
         `all_gather_many` where the shards are first needed."""
-        return _Gathering(xs, self.groups[mesh_dim])
+        return Gathering(xs, self.groups[mesh_dim])
 
     def all_gather_many(self, xs: list[torch.Tensor], dims: list[int], mesh_dim: int,
-                        started: _Gathering | None = None) -> tuple[torch.Tensor, ...]:
+                        started: Gathering | None = None, reshard: tuple[bool, ...] = ()
+                        ) -> tuple[torch.Tensor, ...]:
         """Gather several shards in one collective (FSDP parameters), each along its dim; with
-        `started` (from all_gather_start) only wait for it."""
-        return _AllGatherMany.apply(tuple(dims), self.groups[mesh_dim], started, *xs)
+        `started` (from all_gather_start) only wait for it. The gathered tensors flagged in
+        `reshard` are freed after forward and gathered again in backward, when a training
+        forward runs under `runtime.regather.resharding`."""
+        group = self.groups[mesh_dim]
+        out = _AllGatherMany.apply(tuple(dims), group, started, *xs)
+        if self.session is not None and any(reshard):
+            self.session.register(
+                [o for o, r in zip(out, reshard) if r], [x for x, r in zip(xs, reshard) if r],
+                [d for d, r in zip(dims, reshard) if r], group)
+        return out

@@ -8,6 +8,8 @@ program: train and eval mode, input shapes) share one store and one gradient syn
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from autopar.passes.rewrite import LocalPrograms
@@ -17,6 +19,7 @@ from .collectives import MeshComm
 from .grad_sync import GradSync, PendingSum
 from .loss import loss_seeding
 from .params import ParameterStore
+from .regather import resharding
 
 
 def placeholders(gm: torch.fx.GraphModule) -> list[str]:
@@ -76,7 +79,9 @@ class ParallelModule:
         scale = 1.0 / m if mean else 1.0
         total = None
         for i, tensors in enumerate(microbatches):
-            (loss,) = self._programs.train(*self._feed(self._train_inputs, tensors))
+            # FSDP parameters the plan reshards after forward are gathered again in backward
+            with resharding(self._comm) if self.plan.resharded else contextlib.nullcontext():
+                (loss,) = self._programs.train(*self._feed(self._train_inputs, tensors))
             value = loss.detach() if total is None else total + loss.detach()
             total = value
             last = i == m - 1

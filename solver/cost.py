@@ -38,7 +38,7 @@ import torch
 from autopar.passes.placement import Placements, Replicate, fmt, local_shape
 from autopar.passes.recompute import NONE as NO_RECOMPUTE
 from autopar.passes.recompute import Recompute, saved_under_selective
-from autopar.passes.reshard import BUCKET_BYTES, ReshardError, Step, plan_steps
+from autopar.passes.reshard import BUCKET_BYTES, ReshardError, Step, plan_steps, single_gather
 from autopar.passes.rules import LOWERINGS, TensorArg
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, SNode, Strategy, StrategyGraph
 from autopar.passes.torch_compat import tree_map
@@ -74,7 +74,8 @@ class CostModel:
                  bucket_bytes: float = BUCKET_BYTES, *, graph: StrategyGraph | None = None,
                  precision: str | Precision | None = None,
                  measured: Mapping[str, tuple[float, float]] | None = None,
-                 activation_factor: float = 1.0, recompute: Recompute | None = None):
+                 activation_factor: float = 1.0, recompute: Recompute | None = None,
+                 reshard: frozenset[str] = frozenset()):
         self.mesh = mesh
         self.bucket_bytes = bucket_bytes
         self.hw = mesh.profile
@@ -88,14 +89,17 @@ class CostModel:
         self.recompute = recompute or NO_RECOMPUTE  # ops recomputed in backward (passes/recompute)
         self.region_uses = mem.region_input_uses(graph, self.recompute) \
             if graph is not None else Counter()
+        # parameters whose gathered copies are freed after forward (see `regathered`)
+        self.reshard = frozenset(reshard)
         self._reshard = lru_cache(maxsize=None)(self._reshard_uncached)
 
     def copy(self, **changes) -> CostModel:
         """The same model with some settings changed (mesh, optimizer, bucket_bytes, graph,
-        precision, measured, activation_factor, recompute)."""
+        precision, measured, activation_factor, recompute, reshard)."""
         kw = dict(mesh=self.mesh, optimizer=self.optimizer, bucket_bytes=self.bucket_bytes,
                   graph=self.graph, precision=self.precision, measured=self.measured,
-                  activation_factor=self.activation_factor, recompute=self.recompute)
+                  activation_factor=self.activation_factor, recompute=self.recompute,
+                  reshard=self.reshard)
         kw.update(changes)
         out = copy.copy(self)  # keeps a subclass's own state
         CostModel.__init__(out, **kw)
@@ -167,10 +171,11 @@ class CostModel:
         of their gradients in backward), so such a gather pays the link latency in proportion
         to its share of a bucket (see `_bucket_share`); and once per placement, whichever ops
         use it, so each of the k ops using the parameter pays 1/k (exact when they use it
-        alike, as tied weights do). Other tensors pay each consumer's resharding in full (the
-        runtime reshards once per target placement: consumers that want the same placement of
-        one tensor, such as q, k and v projections of one input, are counted once each, an
-        overestimate)."""
+        alike, as tied weights do). A gathered parameter freed after forward (`regathered`)
+        is gathered once more in backward. Other tensors pay each consumer's resharding in
+        full (the runtime reshards once per target placement: consumers that want the same
+        placement of one tensor, such as q, k and v projections of one input, are counted once
+        each, an overestimate)."""
         producer = graph.nodes[consumer.inputs[slot][0]]
         idx = consumer.inputs[slot][1]
         dtype = producer.out_dtypes[idx or 0]
@@ -184,8 +189,24 @@ class CostModel:
         latency = self._bucket_share(graph, producer, self.step_bytes(steps[0], dtype)) \
             if grouped else 1.0
         share = 1.0 / max(1, facts.consumers[consumer.inputs[slot]]) if grouped else 1.0
-        return [(kind, k, nbytes, t * share, phase)
-                for kind, k, nbytes, t, phase in self._priced_steps(steps, dtype, grad, latency)]
+        priced = [(kind, k, nbytes, t * share, phase)
+                  for kind, k, nbytes, t, phase in self._priced_steps(steps, dtype, grad, latency)]
+        if grouped and self.regathered(graph, consumer, slot, src, dst):
+            priced += [(kind, k, nbytes, t, "backward")
+                       for kind, k, nbytes, t, phase in priced if phase == "forward"]
+        return priced
+
+    def regathered(self, graph: StrategyGraph, consumer: SNode, slot: int, src: Placements,
+                   dst: Placements) -> bool:
+        """Whether input `slot` of `consumer` is a parameter gathered whole from its storage
+        shard (FSDP) that is freed after forward and gathered again for backward: one in
+        `reshard`, used by an op that is not recomputed (a recomputed run keeps its inputs
+        until backward recomputes it)."""
+        u = consumer.inputs[slot][0]
+        if u not in self.reshard or self.recompute.mode_of.get(consumer.name):
+            return False
+        return graph.nodes[u].kind == PARAM and \
+            single_gather(consumer.in_shapes[slot], src, dst, self.shape) is not None
 
     def reshard_steps(self, shape, src, dst) -> list[Step]:
         return plan_steps(shape, src, dst, self.shape)

@@ -76,6 +76,8 @@ class Prices(Protocol):
     def activation_memory(self, node: SNode, strategy: Strategy) -> float: ...
     def edge_memory(self, graph: StrategyGraph, consumer: SNode, slot: int, src, dst
                     ) -> float: ...
+    def regathered(self, graph: StrategyGraph, consumer: SNode, slot: int, src, dst
+                   ) -> bool: ...
 
 
 def saved_slots(node: SNode, grads: tuple[bool, ...]) -> tuple[int, ...]:
@@ -276,8 +278,11 @@ def edge_saved_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slot: 
     `src` and consumed at `dst`. The kept tensor's storage is the output of the last collective
     of the resharding (a local slice is a view of what it slices), or the producer's own
     output when nothing is communicated; a parameter's or user input's own storage is not
-    counted again. A tensor kept by k ops counts 1/k at each."""
+    counted again. A tensor kept by k ops counts 1/k at each. A parameter gathered for its use
+    and freed after forward (reshard after forward: `regathered`) is not kept."""
     if consumer.kind != OP or not consumer.requires_grad:
+        return 0.0
+    if cost.regathered(graph, consumer, slot, src, dst):
         return 0.0
     if recomputed(cost, consumer):
         live = kept_edge_bytes(cost, graph, consumer, slot, src, dst) \

@@ -4,6 +4,7 @@ import them by name): measured memory per rank, step times, calibration."""
 from __future__ import annotations
 
 import copy
+import ctypes
 import time
 
 import torch
@@ -14,6 +15,26 @@ import autopar
 from autopar import zoo
 from tests.rank_tasks import build as build_named
 from tests.rank_tasks import mesh_for
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                               "keepcost")]
+
+
+def heap_bytes() -> int | None:
+    """Bytes this process holds allocated from glibc malloc (the main arena's chunks in use
+    and every mmapped block: where torch's CPU allocator puts tensors), whichever thread frees
+    them; None without glibc. The profiler's memory events miss frees done on a collective
+    backend's threads (gloo), so plans with collectives are measured this way too."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
 
 
 def build(name):
@@ -100,25 +121,32 @@ def measured_memory(name, mesh_shape, force, optimizer: str = "adamw",
             "plan": pm.plan.to_dict() if dist.get_rank() == 0 else None}
 
 
-def measured_activations(name, mesh_shape, force, recompute: str) -> dict:
+def measured_activations(name, mesh_shape, force, recompute: str,
+                         options: dict | None = None) -> dict:
     """The bytes a training step allocates from the start of its forward to the start of its
     backward and still holds then (tensor allocations less frees, from the profiler's memory
     events), after a warm-up step, with the plan's predicted memory: what forward keeps is
-    its "activations" (the block backward recomputes, "recomputed", is live only later)."""
+    its "activations" (the block backward recomputes, "recomputed", is live only later).
+    "heap" is the same span measured as the growth of the process's malloc heap (see
+    `heap_bytes`). `options`: more PlanOptions fields."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     model, loss_fn, (x, y) = build(name)
     pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
                              example_inputs=(x, y), force=force, recompute=recompute,
-                             microbatches=1)
+                             microbatches=1, **(options or {}))
     pm.step(x, y)
     backward = torch.Tensor.backward
 
+    heap: dict[str, int | None] = {}
+
     def forward_starts(module, args):  # the first module a step calls is its program
+        heap.setdefault("forward", heap_bytes())
         with record_function("forward starts"):
             pass
 
     def backward_starts(self, *args, **kwargs):
+        heap.setdefault("backward", heap_bytes())
         with record_function("backward starts"):
             pass
         return backward(self, *args, **kwargs)
@@ -138,8 +166,10 @@ def measured_activations(name, mesh_shape, force, recompute: str) -> dict:
     # tensors Python let go), between the marks.
     held = sum(e.self_cpu_memory_usage if e.name != "[memory]" else e.cpu_memory_usage
                for e in events if start <= e.time_range.start < end)
-    return {"measured": held, "predicted": dict(pm.plan.cost.memory),
-            "mode": pm.plan.recompute.mode, "step_time": pm.plan.cost.step_time}
+    grown = None if heap.get("forward") is None else heap["backward"] - heap["forward"]
+    return {"measured": held, "heap": grown, "predicted": dict(pm.plan.cost.memory),
+            "mode": pm.plan.recompute.mode, "step_time": pm.plan.cost.step_time,
+            "resharded": list(pm.plan.resharded)}
 
 
 def calibrated_profile(mesh_shape, **kwargs) -> dict:

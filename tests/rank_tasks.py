@@ -353,13 +353,15 @@ class MixedReference:
 
 
 def mixed_precision_errors(name, mesh_shape: tuple, force=None, steps: int = 2,
-                           recompute: str | None = None, plan: dict | None = None) -> dict:
+                           recompute: str | None = None, plan: dict | None = None,
+                           options: dict | None = None) -> dict:
     """bf16-mixed training of `name` against MixedReference, as relative errors: the loss of
     every step; the gradients of the first (per tensor: max |difference| / max |reference|);
     the total update of the parameters after `steps` SGD steps (same measure: SGD, since
     Adam's normalization turns bfloat16 noise on near-zero gradients into whole steps, on one
     device too). The master parameters stay float32. `recompute`: PlanOptions.recompute;
-    `plan` (as data, made with precision="bf16-mixed"): run it rather than the solver's."""
+    `plan` (as data, made with precision="bf16-mixed"): run it rather than the solver's;
+    `options`: more PlanOptions fields."""
     model, loss_fn, (x, y) = build(name)
     ref = MixedReference(copy.deepcopy(model))
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -369,7 +371,7 @@ def mixed_precision_errors(name, mesh_shape: tuple, force=None, steps: int = 2,
     else:
         pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
                                  example_inputs=(x, y), force=force, precision="bf16-mixed",
-                                 recompute=recompute)
+                                 recompute=recompute, **(options or {}))
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.master.parameters(), lr=0.1)
     errors = {"loss": 0.0, "gradient": 0.0, "update": 0.0}
