@@ -83,6 +83,7 @@ def test_random_plan_matches_single_device(world2, world4, spec, mesh, seed, rec
     event(f"recompute {plan.recompute.mode}")
     event(f"precision {precision}")
     event(f"dropout {spec[1].get('dropout', 0.0) > 0}")
+    event(f"freed after forward {bool(plan.resharded)}")
     world = world2 if math.prod(mesh) == 2 else world4
     if precision == "fp32":
         world.run(rank_tasks.train_equivalence, spec, mesh, None, 2, plan.to_dict())
