@@ -56,8 +56,10 @@ def test_every_rank_runs_the_same_program(name, mesh):
 
 
 def test_fsdp_gathers_are_prefetched_in_buckets(monkeypatch):
-    """Under FSDP every bucket's all-gather starts before the first op and is waited for just
-    before its first use; buckets stay within BUCKET_BYTES (shrunk here to split a GPT)."""
+    """Under FSDP the first bucket's all-gather starts before the first op, each next one just
+    before the program waits for the one before it (one bucket in flight ahead of the one in
+    use), and each is waited for just before its first use; buckets stay within BUCKET_BYTES
+    (shrunk here to split a GPT)."""
     from autopar.passes import rewrite as rewrite_mod
     from autopar.planner import choice_from_plan, solve_plan
 
@@ -72,7 +74,7 @@ def test_fsdp_gathers_are_prefetched_in_buckets(monkeypatch):
         def all_gather_start(self, xs, dims, mesh_dim):
             raise AssertionError("not run")
 
-        def all_gather_many(self, xs, dims, mesh_dim, started=None):
+        def all_gather_many(self, xs, dims, mesh_dim, started=None, reshard=()):
             raise AssertionError("not run")
 
     train = rewrite(program, graph, choice, (0,), Named()).train.graph
@@ -83,7 +85,10 @@ def test_fsdp_gathers_are_prefetched_in_buckets(monkeypatch):
     assert len(starts) == len(waits) > 1
     assert all(nodes[i].target.__name__ == "all_gather_start" for i in starts)
     first_op = min(i for i, n in enumerate(nodes) if role.get(n) == "op")
-    assert max(starts) < first_op  # every gather is in flight before any compute
+    assert starts[0] < first_op  # the first gather is in flight before any compute
+    for j, w in enumerate(waits[:-1]):  # the next bucket starts as this one is waited for
+        assert nodes.index(w) - 1 == starts[j + 1]
+        assert waits[j + 1].args[3] is nodes[starts[j + 1]]
     for w in waits:
         started = w.args[3]
         assert role[started] == "gather_start" and started.args[0] == w.args[0]
@@ -95,7 +100,8 @@ def test_fsdp_gathers_are_prefetched_in_buckets(monkeypatch):
         assert users and nodes.index(w) < min(nodes.index(u) for u in users)
         between = nodes[nodes.index(w) + 1:min(nodes.index(u) for u in users)]
         # (only the unpacking of gathered values and the consumer's other inputs' resharding)
-        assert all(role[n] in ("gathered", "getitem", "collective", "slice", "gather_wait")
+        assert all(role[n] in ("gathered", "getitem", "collective", "slice", "gather_wait",
+                               "gather_start")
                    for n in between)
 
 class ShapeComm:
@@ -121,7 +127,7 @@ class ShapeComm:
     def all_gather_start(self, xs, dims, mesh_dim):
         return "started"
 
-    def all_gather_many(self, xs, dims, mesh_dim, started=None):
+    def all_gather_many(self, xs, dims, mesh_dim, started=None, reshard=()):
         assert started == "started"
         return tuple(self.all_gather(x, d, mesh_dim) for x, d in zip(xs, dims))
 
