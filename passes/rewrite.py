@@ -17,7 +17,6 @@ their kind and mesh dimension. Later passes read those records, never the call t
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -25,12 +24,13 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 
-from autopar.passes.reshard import BUCKET_BYTES, buckets, plan_steps, single_gather
+from autopar.passes.reshard import BUCKET_BYTES, plan_steps
 
 from .emitted import META_KEY, Emitted
+from .gathers import gather_buckets
 from .placement import Placements, R, local_shape
 from .rules import LOWERINGS, LocalContext, TensorArg
-from .strategies import CONSTANT, PARAM, SNode, Strategy, StrategyGraph
+from .strategies import CONSTANT, SNode, Strategy, StrategyGraph
 from .torch_compat import tree_map
 from .trace import TracedProgram
 
@@ -147,9 +147,7 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
     # reduce-scatter of their gradients in backward) instead of one per parameter, in order of
     # first use: the first bucket's gather starts before the first op, asynchronously, and
     # each next one when the program first waits for the one before (prefetching).
-    fsdp = _fsdp_gathers(graph, choice, mesh_shape) if prefetch else {}
-    chains = {k: buckets(uses, lambda use: _use_bytes(use, graph, mesh_shape), BUCKET_BYTES)
-              for k, uses in fsdp.items()}
+    chains = gather_buckets(graph, choice, BUCKET_BYTES) if prefetch else {}
     prefetched: dict[tuple[str, Any, Placements], tuple[int, int]] = {
         (p, None, dst): (k, j) for k, chain in chains.items()
         for j, bucket in enumerate(chain) for p, dst, _ in bucket}
@@ -257,34 +255,6 @@ def local_context(node: SNode, strategy: Strategy, mesh_shape: tuple[int, ...],
     outs = strategy.output if node.multi_output else (strategy.output,)
     return LocalContext(mesh_shape, coords, strategy.inputs, strategy.output,
                         [local_shape(s, p, mesh_shape) for s, p in zip(node.out_shapes, outs)])
-
-
-def _fsdp_gathers(graph: StrategyGraph, choice: dict[str, Strategy],
-                  mesh_shape: tuple[int, ...]) -> dict[int, list[tuple[str, Placements, int]]]:
-    """Per mesh dimension, the (parameter, use placement, tensor dim) whose resharding from
-    storage is a single all-gather there, in graph order."""
-    out: dict[int, list] = {}
-    seen = set()
-    for v in graph.nodes.values():
-        for slot, (u, idx) in enumerate(v.inputs):
-            if graph.nodes[u].kind != PARAM:
-                continue
-            dst = choice[v.name].inputs[slot]
-            if (u, dst) in seen:
-                continue
-            seen.add((u, dst))
-            step = single_gather(v.in_shapes[slot], choice[u].out(idx), dst, mesh_shape)
-            if step is not None:
-                out.setdefault(step.mesh_dim, []).append((u, dst, step.dim))
-    return out
-
-
-def _use_bytes(use: tuple[str, Placements, int], graph: StrategyGraph,
-               mesh_shape: tuple[int, ...]) -> int:
-    """Bytes of a parameter gathered to its use placement."""
-    v = graph.nodes[use[0]]
-    return math.prod(local_shape(v.out_shapes[0], use[1], mesh_shape)) * \
-        v.out_dtypes[0].itemsize
 
 
 def _substitute(tree, values: list):

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
+from autopar.passes.gathers import gather_buckets
 from autopar.passes.placement import local_shape
 from autopar.passes.recompute import Recompute, saved_under_selective
 from autopar.passes.rules.registry import (
@@ -56,6 +57,8 @@ from .specs import optimizer_spec, precision_spec
 
 GiB = 2**30
 KINDS = ("parameters", "gradients", "optimizer", "activations", "recomputed")
+# besides KINDS, a plan's memory has "gathered" (FSDP gathers in flight: `gathered_bytes`) when
+# it gathers parameters; the ILP's constraint leaves it out, the planner keeps room for it
 
 
 class Prices(Protocol):
@@ -420,6 +423,21 @@ def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
     if not out["recomputed"]:  # only plans that recompute have the kind
         del out["recomputed"]
     return out
+
+
+def gathered_bytes(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]) -> float:
+    """Bytes per device of FSDP gathers in flight, on top of what autograd keeps: two of the
+    largest bucket (passes/gathers.py), in the compute dtype. In forward the bucket in use is
+    gathered while the next one's all-gather is in flight; in backward the bucket gathered
+    again (reshard after forward) while the one before it is prefetched, or a bucket's
+    gradients while they are reduce-scattered. 0 when nothing is gathered."""
+    largest = 0.0
+    for chain in gather_buckets(graph, choice).values():
+        for bucket in chain:
+            largest = max(largest, sum(cost.nbytes(
+                local_shape(graph.nodes[p].out_shapes[0], dst, cost.shape),
+                graph.nodes[p].out_dtypes[0]) for p, dst, _ in bucket))
+    return 2 * largest
 
 
 def plan_memory(graph: StrategyGraph, cost: Prices, choice: dict[str, int]) -> float:

@@ -19,19 +19,20 @@ from autopar.passes.reshard import single_gather
 from autopar.passes.strategies import PARAM, Strategy, StrategyGraph
 
 from .cost import CostModel
-from .memory import memory_split
+from .memory import gathered_bytes, memory_split
 
 
 def gathered_parameters(graph: StrategyGraph, choice: dict[str, Strategy]) -> list[str]:
     """Parameters (graph node names) with a use gathered whole from their storage shard,
     ordered by their last such use in forward, last first."""
     last: dict[str, int] = {}
-    for i, v in enumerate(graph.nodes.values()):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for v in graph.nodes.values():
         for slot, (u, idx) in enumerate(v.inputs):
             if graph.nodes[u].kind == PARAM and single_gather(
                     v.in_shapes[slot], choice[u].out(idx), choice[v.name].inputs[slot],
                     graph.mesh_shape) is not None:
-                last[u] = i
+                last[u] = order[v.name]
     return sorted(last, key=lambda u: -last[u])
 
 
@@ -62,7 +63,8 @@ def choose(graph: StrategyGraph, cost: CostModel, choice: dict[str, Strategy],
         return frozenset(p for p in params if rng.random() < 0.5)
     freed = cost.copy(reshard=frozenset(params))
     kept = cost.copy(reshard=frozenset())
-    peak = sum(memory_split(graph, freed, choice).values())
+    peak = sum(memory_split(graph, freed, choice).values()) + \
+        gathered_bytes(graph, freed, choice)
     out = set(params)
     for p in params:
         extra = _kept_gathered(graph, kept, choice, p) - _kept_gathered(graph, freed, choice, p)
