@@ -32,6 +32,9 @@ class PlanOptions:
       precision       "fp32", or "bf16-mixed": float32 master weights (what the optimizer
                       steps) and gradients, compute in bfloat16 (FSDP2's
                       MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))
+      bucket_bytes    collectives over many parameters (gradient all-reduce, FSDP gathers and
+                      their reduce-scatters) are grouped in buckets of about this many bytes
+                      (DDP's bucket_cap_mb); smaller buckets hold less in flight
       profile         True to time ops on this machine (cached; see autopar.profile), or an
                       autopar.profile.OpProfiler; None for the roofline
     Recomputation:
@@ -76,6 +79,7 @@ class PlanOptions:
     optimizer: str = "adamw"
     precision: str = "fp32"
     profile: Any = field(default=None, compare=False)
+    bucket_bytes: int = 25 * 2**20
     recompute: str | None = None
     reshard_after_forward: bool | None = None
     microbatches: int | None = None
@@ -104,6 +108,8 @@ class PlanOptions:
         if self.reshard_after_forward not in (None, True, False):
             raise ValueError("reshard_after_forward must be True, False or None (the planner "
                              f"decides), not {self.reshard_after_forward!r}")
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, not {self.bucket_bytes}")
         if self.microbatches is not None and self.microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, not {self.microbatches}")
 
@@ -122,7 +128,7 @@ class PlanOptions:
     def decision(self) -> dict:
         """The options that change what runs (part of the plan's hash)."""
         return {"optimizer": self.optimizer, "precision": self.precision,
-                "loss_reduction": self.loss_reduction,
+                "loss_reduction": self.loss_reduction, "bucket_bytes": self.bucket_bytes,
                 "per_rank_inputs": list(self.per_rank_inputs)}
 
     def to_dict(self) -> dict:

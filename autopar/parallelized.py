@@ -277,7 +277,8 @@ class Parallelized(nn.Module):
         programs = rewrite(program, graph, choice, self._coords, self._comm, per_rank,
                            free_after_forward=frozenset(
                                n for n, name in program.params.items()
-                               if name in set(plan.resharded)))
+                               if name in set(plan.resharded)),
+                           bucket_bytes=self._options.bucket_bytes)
         if programs.train is not None:  # the blocks the plan recomputes run under checkpoint
             wrap_recomputed(programs.train, plan.recompute)
         constants = self._constants(program)
@@ -367,7 +368,8 @@ class Parallelized(nn.Module):
         trained = [(leaf, tuple(k for k, p in enumerate(placements[n])
                                 if isinstance(p, Replicate)))
                    for n, leaf in self._store.leaves.items() if leaf.requires_grad]
-        self._grad_sync = GradSync(trained, self._comm.groups, mesh_shape)
+        self._grad_sync = GradSync(trained, self._comm.groups, mesh_shape,
+                                   self._options.bucket_bytes)
 
     def _place(self, placements: dict[str, tuple], mesh, mesh_shape, coords) -> None:
         """Rank 0's parameters and buffers, broadcast (every rank starts from one model): this

@@ -38,7 +38,7 @@ from autopar.solver.ilp import (
     random_choice,
     solve,
 )
-from autopar.solver.memory import gathered_bytes, memory_split
+from autopar.solver.memory import GiB, gathered_bytes, memory_split
 
 from .mesh import MeshSpec
 from .options import RECOMPUTE, PlanOptions
@@ -135,8 +135,8 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
         if program.has_loss else NO_RECOMPUTE
     mode = options.reshard_after_forward
     freed = mode is True or (mode is None and reshard)
-    cost = CostModel(mesh, options.optimizer, graph=graph, precision=options.precision,
-                     recompute=r, reshard=frozenset(
+    cost = CostModel(mesh, options.optimizer, options.bucket_bytes, graph=graph,
+                     precision=options.precision, recompute=r, reshard=frozenset(
                          n for n, v in graph.nodes.items() if v.kind == PARAM) if freed else ())
     if options.profile not in (None, False):
         cost = cost.copy(measured=profiler(options.profile).measure(graph, cost))
@@ -179,6 +179,12 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
         if plan.cost.peak_memory <= budget or gathered <= room or gathered >= budget:
             break
         room = gathered
+    if plan.cost.peak_memory > budget:
+        raise NoFeasiblePlan(
+            f"the plan's FSDP gathers in flight ({plan.cost.memory.get('gathered', 0) / GiB:.3f}"
+            f" GiB: buckets of parameters gathered together) leave no room within the memory "
+            f"budget ({budget / GiB:.3f} GiB; the plan needs {plan.cost.peak_memory / GiB:.3f}"
+            " GiB); raise memory_budget, or use more devices", "gathered")
     found = alternatives(graph, cost, choice, forced=forced, discouraged=discouraged,
                          memory_budget=budget, peak=plan.cost.peak_memory, twin=clusters.twin)
     plan.alternatives = compact({program.params.get(n, n): rows for n, rows in found.items()})

@@ -66,8 +66,8 @@ def _slice(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
 def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Strategy],
             coords: tuple[int, ...], comm: CommOps,
             per_rank: tuple[Placements, int] | None = None,
-            prefetch: bool = True, free_after_forward: frozenset[str] = frozenset()
-            ) -> LocalPrograms:
+            prefetch: bool = True, free_after_forward: frozenset[str] = frozenset(),
+            bucket_bytes: float | None = None) -> LocalPrograms:
     """Build the local programs for the rank at mesh `coords`. Outputs come back whole; with
     `per_rank` (the placement per-rank inputs arrive in, and the global batch), an output
     whose dimension 0 is the batch comes back as this rank's rows, as its inputs were. With
@@ -77,7 +77,8 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
     gathered just before its first use (what a pipeline stage, holding some of the
     parameters, needs). The gathered copies of the parameters in `free_after_forward` (graph node
     names) are marked to be freed after forward and gathered again for backward (the
-    runtime's `CommOps.resharding`)."""
+    runtime's regathering, runtime/regather.py). Buckets hold about `bucket_bytes` (default
+    BUCKET_BYTES)."""
     mesh_shape = graph.mesh_shape
     g = fx.Graph()
     local: dict[tuple[str, Any], fx.Node] = {}  # (node, out index) -> local value node
@@ -147,7 +148,8 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
     # reduce-scatter of their gradients in backward) instead of one per parameter, in order of
     # first use: the first bucket's gather starts before the first op, asynchronously, and
     # each next one when the program first waits for the one before (prefetching).
-    chains = gather_buckets(graph, choice, BUCKET_BYTES) if prefetch else {}
+    limit = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+    chains = gather_buckets(graph, choice, limit) if prefetch else {}
     prefetched: dict[tuple[str, Any, Placements], tuple[int, int]] = {
         (p, None, dst): (k, j) for k, chain in chains.items()
         for j, bucket in enumerate(chain) for p, dst, _ in bucket}

@@ -79,6 +79,9 @@ class Prices(Protocol):
     def activation_memory(self, node: SNode, strategy: Strategy) -> float: ...
     def edge_memory(self, graph: StrategyGraph, consumer: SNode, slot: int, src, dst
                     ) -> float: ...
+    reshard: frozenset[str]
+    bucket_bytes: float
+
     def regathered(self, graph: StrategyGraph, consumer: SNode, slot: int, src, dst
                    ) -> bool: ...
 
@@ -426,18 +429,22 @@ def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
 
 
 def gathered_bytes(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]) -> float:
-    """Bytes per device of FSDP gathers in flight, on top of what autograd keeps: two of the
-    largest bucket (passes/gathers.py), in the compute dtype. In forward the bucket in use is
-    gathered while the next one's all-gather is in flight; in backward the bucket gathered
-    again (reshard after forward) while the one before it is prefetched, or a bucket's
-    gradients while they are reduce-scattered. 0 when nothing is gathered."""
-    largest = 0.0
-    for chain in gather_buckets(graph, choice).values():
+    """Bytes per device of FSDP gathers in flight, on top of what autograd keeps, at the
+    worst bucket (passes/gathers.py), in the compute dtype; 0 when nothing is gathered.
+
+    Forward waits for a bucket (its rows and the tensors copied out of them) while the next
+    bucket's all-gather is in flight: the bucket's own tensors are what autograd keeps, so two
+    more. Backward, for a bucket kept gathered, holds its gradients and the buffer they are
+    reduce-scattered from: two. For a bucket freed after forward, backward holds it gathered
+    again, the next one's prefetch, its gradients and their reduce-scatter buffer: four."""
+    worst = 0.0
+    for chain in gather_buckets(graph, choice, cost.bucket_bytes).values():
         for bucket in chain:
-            largest = max(largest, sum(cost.nbytes(
-                local_shape(graph.nodes[p].out_shapes[0], dst, cost.shape),
-                graph.nodes[p].out_dtypes[0]) for p, dst, _ in bucket))
-    return 2 * largest
+            size = sum(cost.nbytes(local_shape(graph.nodes[p].out_shapes[0], dst, cost.shape),
+                                   graph.nodes[p].out_dtypes[0]) for p, dst, _ in bucket)
+            freed = any(p in cost.reshard for p, _, _ in bucket)
+            worst = max(worst, (4 if freed else 2) * size)
+    return worst
 
 
 def plan_memory(graph: StrategyGraph, cost: Prices, choice: dict[str, int]) -> float:

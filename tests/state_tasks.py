@@ -90,3 +90,100 @@ def bad_meta_init(kind: str) -> str:
     except Exception as e:  # noqa: BLE001 - the test reads the message
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+class PeakSampler:
+    """The highest `heap_bytes()` seen while it runs (a thread reading it every ~0.5 ms), and
+    the process's peak resident set (VmHWM, reset at start where Linux allows)."""
+
+    def __init__(self):
+        import threading
+
+        from tests.cost_tasks import heap_bytes
+        self._read, self.peak = heap_bytes, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import time
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._read() or 0)
+            time.sleep(0.0005)
+
+    def __enter__(self) -> PeakSampler:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current resident set
+        except OSError:
+            pass
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._read() or 0)
+
+    @staticmethod
+    def resident(field: str = "VmRSS") -> int:
+        """Bytes of this process's `field` from /proc/self/status (VmRSS, VmHWM)."""
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+        raise OSError(f"no {field} in /proc/self/status")
+
+
+def mmap_large_blocks(threshold: int = 1 << 20) -> None:
+    """Have glibc malloc map every block of at least `threshold` bytes on its own and unmap it
+    when freed (M_MMAP_THRESHOLD, fixed): large tensors then leave the resident set when they
+    are freed, rather than staying as free heap (glibc's default raises the threshold as
+    large blocks are freed, up to 32 MiB, so a training step's 25 MiB buckets come to live in
+    the heap and its fragments), so the resident set follows the live tensors."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def train_beyond_one_rank(width: int, depth: int, batch: int, steps: int = 3,
+                          share: float = 1 / 3, bucket_bytes: int = 25 * 2**20,
+                          margin: float = 0.95) -> dict:
+    """An MLP of `depth` layers of `width` built on the meta device, whose whole fp32 training
+    state (parameters, gradients, AdamW's two states: 16 bytes a parameter) is 1/`share` times
+    the memory cap of each rank, planned with FSDP on the world within `margin` of the cap
+    (collectives in buckets of `bucket_bytes`) and trained `steps` AdamW steps. Returns this
+    rank's figures: the cap, the plan's predicted peak and split, and the peak measured over
+    the training steps, as the malloc heap (`heap`) and as the resident set (`rss`, with large
+    blocks mapped on their own: `mmap_large_blocks`), each above its level after the build
+    plus the bytes of this rank's parameter shards (which the build allocated): what the
+    training state needs, without the planner's own Python objects."""
+    from tests.cost_tasks import heap_bytes
+    from tests.models import MLP
+
+    mmap_large_blocks()
+    with torch.device("meta"):
+        model = MLP([width] * (depth + 1), activation="relu")
+    numel = sum(p.numel() for p in model.parameters())
+    cap = 16 * numel * share
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, width, generator=g), torch.randint(0, width, (batch,), generator=g)
+    torch.manual_seed(0)
+    pm = autopar.parallelize(model, mesh_for((dist.get_world_size(),)),
+                             loss_fn=nn.functional.cross_entropy, example_inputs=(x, y),
+                             force="fsdp", memory_budget=margin * cap, bucket_bytes=bucket_bytes)
+    del model
+    shards = sum(p.to_local().numel() * p.element_size() for p in pm.parameters())
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    losses = []
+    heap0, rss0 = heap_bytes(), PeakSampler.resident()
+    with PeakSampler() as peak:
+        for _ in range(steps):
+            opt.zero_grad()
+            losses.append(float(pm.step(x, y)))
+            opt.step()
+    return {"cap": cap, "whole_state": 16 * numel, "predicted": pm.plan.cost.peak_memory,
+            "split": dict(pm.plan.cost.memory), "heap": peak.peak - heap0 + shards,
+            "rss": PeakSampler.resident("VmHWM") - rss0 + shards, "losses": losses,
+            "freed": len(pm.plan.resharded), "gathered": len(pm.plan.parameters)}
