@@ -5,14 +5,18 @@
 For one GPT (autopar.zoo's with an untied head, benchmarks/common.py: about 27M parameters by
 default) it times a training step (forward, backward, AdamW) of
   - torch DistributedDataParallel        vs autopar forced "data"
-  - FSDP2 (fully_shard per block + root)  vs autopar forced "fsdp"
+  - FSDP2 (fully_shard per block + root, reshard_after_forward=True)  vs autopar forced "fsdp"
+    with reshard_after_forward=True
+  - FSDP2 with reshard_after_forward=False  vs autopar forced "fsdp", reshard_after_forward=False
   - DTensor tensor parallel (Colwise qkv/fc, Rowwise proj, each rank its heads)  vs autopar
     forced "tensor"
   - autopar's own plan                    vs the best baseline
 Each timing is the median over the measured steps (after 2 warm-up steps), taken on rank 0
 between barriers; all setups are built first and then stepped round-robin in one process
 group, so ratios compare like with like even while the machine's load drifts. Per-rank memory
-is the bytes of parameters, gradients and optimizer state the rank holds. Prints a markdown table.
+is the bytes of parameters, gradients and optimizer state the rank holds, and the peak of
+rank 0's malloc heap over one more step (tests/cost_tasks.py `heap_bytes`, sampled every
+0.5 ms; not during the timed steps). Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -89,13 +93,15 @@ def setups(model, mesh, x, y, calibrated=None):
         m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
         return lambda: loss_fn(m(xl), yl).backward(), list(m.parameters())
 
-    def fsdp2():
-        from torch.distributed.fsdp import fully_shard
-        m = copy.deepcopy(model)
-        for b in m.h:
-            fully_shard(b, mesh=mesh)
-        fully_shard(m, mesh=mesh)
-        return lambda: loss_fn(m(xl), yl).backward(), list(m.parameters())
+    def fsdp2(reshard: bool):
+        def build():
+            from torch.distributed.fsdp import fully_shard
+            m = copy.deepcopy(model)
+            for b in m.h:
+                fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
+            return lambda: loss_fn(m(xl), yl).backward(), list(m.parameters())
+        return build
 
     def dtensor_tp():
         from torch.distributed.tensor.parallel import (
@@ -114,15 +120,19 @@ def setups(model, mesh, x, y, calibrated=None):
         parallelize_module(m, mesh, plan)
         return lambda: loss_fn(m(x), y).backward(), list(m.parameters())
 
-    def autopar_with(force, hardware=None):
+    def autopar_with(force, hardware=None, **options):
         def build():
             pm = autopar.parallelize(copy.deepcopy(model), mesh, loss_fn=loss_fn,
-                                     example_inputs=(x, y), force=force, hardware=hardware)
+                                     example_inputs=(x, y), force=force, hardware=hardware,
+                                     **options)
             return lambda: pm.step(x, y), list(pm.parameters())
         return build
 
-    out = {"DDP": ddp, "autopar data": autopar_with("data"), "FSDP2": fsdp2,
-           "autopar fsdp": autopar_with("fsdp"), "DTensor TP": dtensor_tp,
+    out = {"DDP": ddp, "autopar data": autopar_with("data"), "FSDP2": fsdp2(True),
+           "autopar fsdp": autopar_with("fsdp", reshard_after_forward=True),
+           "FSDP2 kept": fsdp2(False),
+           "autopar fsdp kept": autopar_with("fsdp", reshard_after_forward=False),
+           "DTensor TP": dtensor_tp,
            "autopar tensor": autopar_with("tensor"), "autopar solver": autopar_with(None)}
     if calibrated is not None:
         out["autopar solver (calibrated)"] = autopar_with(None, calibrated)
@@ -170,11 +180,21 @@ def worker(rank: int, port: int, sizes: dict, batch: int, steps: int, out: dict,
             dist.barrier()
             if i >= 2:
                 times[name].append(time.perf_counter() - t)
-    results = {name: (statistics.median(ts), state_bytes(*states[name]))
+    from tests.cost_tasks import heap_bytes
+    from tests.state_tasks import PeakSampler
+    peaks = {}
+    for name, step in steppers.items():  # one more step each, its heap peak sampled
+        dist.barrier()
+        before = heap_bytes() or 0
+        with PeakSampler() as sampled:
+            step()
+        peaks[name] = sampled.peak - before
+    results = {name: (statistics.median(ts), state_bytes(*states[name]), peaks[name])
                for name, ts in times.items()}
     if rank == 0:
-        for name, (t, mem) in results.items():
-            print(f"{name}: {t * 1e3:.1f} ms, {mem / 2**20:.1f} MiB", flush=True)
+        for name, (t, mem, peak) in results.items():
+            print(f"{name}: {t * 1e3:.1f} ms, {mem / 2**20:.1f} MiB, peak +{peak / 2**20:.1f} "
+                  "MiB", flush=True)
     if rank == 0:
         out.update(results)
     dist.destroy_process_group()
@@ -205,18 +225,19 @@ def main() -> None:
     mp.spawn(worker, args=(port, sizes, a.batch, a.steps, out, not a.no_calibrate, only),
              nprocs=WORLD)
     res = dict(out)
-    baselines = [k for k in ("DDP", "FSDP2", "DTensor TP") if k in res]
+    baselines = [k for k in ("DDP", "FSDP2", "FSDP2 kept", "DTensor TP") if k in res]
     print(f"\nGPT {n_params / 1e6:.1f}M parameters, batch {a.batch}x{a.seq}, {WORLD} gloo ranks "
           f"on {os.cpu_count()} CPU cores, fp32, median of {a.steps} steps\n")
-    print("| setup | baseline ms | autopar ms | ratio | baseline MiB/rank | autopar MiB/rank |")
-    print("|---|---|---|---|---|---|")
+    print("| setup | baseline ms | autopar ms | ratio | baseline MiB/rank | autopar MiB/rank "
+          "| baseline step peak MiB | autopar step peak MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for base, ours in (("DDP", "autopar data"), ("FSDP2", "autopar fsdp"),
-                       ("DTensor TP", "autopar tensor")):
+                       ("FSDP2 kept", "autopar fsdp kept"), ("DTensor TP", "autopar tensor")):
         if base not in res or ours not in res:
             continue
-        (tb, mb), (to, mo) = res[base], res[ours]
+        (tb, mb, pb), (to, mo, po) = res[base], res[ours]
         print(f"| {base} vs {ours} | {tb * 1e3:.0f} | {to * 1e3:.0f} | {to / tb:.2f} | "
-              f"{mb / 2**20:.1f} | {mo / 2**20:.1f} |")
+              f"{mb / 2**20:.1f} | {mo / 2**20:.1f} | {pb / 2**20:.1f} | {po / 2**20:.1f} |")
     best = min(res[k][0] for k in baselines) if baselines else None
     for name in ("autopar solver", "autopar solver (calibrated)"):
         if name in res and best is not None:
