@@ -241,9 +241,9 @@ def main() -> None:
     best = min(res[k][0] for k in baselines) if baselines else None
     for name in ("autopar solver", "autopar solver (calibrated)"):
         if name in res and best is not None:
-            ts, ms = res[name]
+            ts, ms, ps = res[name]
             print(f"| best baseline vs {name} | {best * 1e3:.0f} | {ts * 1e3:.0f} | "
-                  f"{ts / best:.2f} | | {ms / 2**20:.1f} |")
+                  f"{ts / best:.2f} | | {ms / 2**20:.1f} | | {ps / 2**20:.1f} |")
 
 
 if __name__ == "__main__":
