@@ -361,9 +361,15 @@ def mixed_precision_errors(name, mesh_shape: tuple, force=None, steps: int = 2,
     Adam's normalization turns bfloat16 noise on near-zero gradients into whole steps, on one
     device too). The master parameters stay float32. `recompute`: PlanOptions.recompute;
     `plan` (as data, made with precision="bf16-mixed"): run it rather than the solver's;
-    `options`: more PlanOptions fields."""
+    `options`: more PlanOptions fields.
+
+    The same three measures of MixedReference against float32 training come back as
+    "<measure>_floor": the rounding error bfloat16 itself makes on this model, which an
+    ill-conditioned model (a gradient that is a small difference of large terms) makes large
+    for any order of computing it."""
     model, loss_fn, (x, y) = build(name)
     ref = MixedReference(copy.deepcopy(model))
+    exact = copy.deepcopy(model)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     if plan is not None:
         pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
@@ -372,29 +378,44 @@ def mixed_precision_errors(name, mesh_shape: tuple, force=None, steps: int = 2,
         pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
                                  example_inputs=(x, y), force=force, precision="bf16-mixed",
                                  recompute=recompute, **(options or {}))
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.master.parameters(), lr=0.1)
-    errors = {"loss": 0.0, "gradient": 0.0, "update": 0.0}
+    opts = [torch.optim.SGD(m, lr=0.1) for m in (pm.parameters(), ref.master.parameters(),
+                                                  exact.parameters())]
+    errors = dict.fromkeys(("loss", "gradient", "update", "loss_floor", "gradient_floor",
+                            "update_floor"), 0.0)
+
+    def worse(key: str, value: float) -> None:
+        errors[key] = max(errors[key], value)
+
     for step in range(steps):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        torch.manual_seed(100 + step)  # a model with dropout draws the same masks
-        loss = pm.step(x, y)
-        torch.manual_seed(100 + step)
-        ref_loss = ref.step(loss_fn, x, y)
-        errors["loss"] = max(errors["loss"], abs(float(loss - ref_loss)) / abs(float(ref_loss)))
+        for opt in opts:
+            opt.zero_grad()
+        losses = []
+        for run in (lambda: pm.step(x, y), lambda: ref.step(loss_fn, x, y),
+                    lambda: _backward(loss_fn(exact(x), y))):
+            torch.manual_seed(100 + step)  # a model with dropout draws the same masks
+            losses.append(run())
+        loss, ref_loss, exact_loss = (float(v) for v in losses)
+        worse("loss", abs(loss - ref_loss) / abs(ref_loss))
+        worse("loss_floor", abs(ref_loss - exact_loss) / abs(exact_loss))
         if step == 0:
-            got = pm.full_grads()
+            got, exact_grads = pm.full_grads(), dict(exact.named_parameters())
             for n, p in ref.master.named_parameters():
-                errors["gradient"] = max(errors["gradient"], relative_error(got[n], p.grad))
-        opt.step()
-        ref_opt.step()
-    got = pm.full_parameters()
+                worse("gradient", relative_error(got[n], p.grad))
+                worse("gradient_floor", relative_error(p.grad, exact_grads[n].grad))
+        for opt in opts:
+            opt.step()
+    got, exact_params = pm.full_parameters(), dict(exact.named_parameters())
     for n, p in ref.master.named_parameters():
         assert got[n].dtype == torch.float32, (n, got[n].dtype)  # the master stays float32
-        errors["update"] = max(errors["update"], relative_error(got[n] - start[n],
-                                                           p.detach() - start[n]))
+        worse("update", relative_error(got[n] - start[n], p.detach() - start[n]))
+        worse("update_floor", relative_error(p.detach() - start[n],
+                                             exact_params[n].detach() - start[n]))
     return errors
+
+
+def _backward(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss.detach()
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -10,7 +10,8 @@ float64 or bf16-mixed precision.
 The rewritten program on real gloo ranks must match the single-device model: loss, gradients,
 parameters after 2 AdamW steps and the forward output (float64: to 1e-6, with the dropout masks
 drawn from the same seed); bf16-mixed against a single-device reference casting at the same
-points, within the tolerance policy of tests/test_mixed_precision.py (the loss within 2e-2).
+points, within the tolerance policy of tests/test_mixed_precision.py plus twice the error
+bfloat16 itself makes on the drawn model (the reference against float32 training).
 FSDP-gathered parameters are freed after forward or kept gathered, drawn per parameter. On
 failure hypothesis shrinks to a small model and the failing plan is printed.
 
@@ -90,10 +91,12 @@ def test_random_plan_matches_single_device(world2, world4, spec, mesh, seed, rec
         return
     for errors in world.run(rank_tasks.mixed_precision_errors, spec, mesh, None, 2, None,
                             plan.to_dict()):
-        # The tolerance policy of tests/test_mixed_precision.py, but for the loss 2e-2 (5
-        # bfloat16 roundings) rather than 1e-3: a drawn loss can be ill-conditioned (the MSE
-        # of 4 outputs close to their targets), where one output rounded in another order
-        # moves it by several of its own roundings. A wrong mask or a missing sum moves it
-        # by far more.
-        assert errors["loss"] < 2e-2, errors
-        assert errors["gradient"] < 0.04 and errors["update"] < 0.04, errors
+        # The tolerance policy of tests/test_mixed_precision.py (loss 1e-3, gradients and
+        # updates 4% of each tensor's largest value), plus twice the error bfloat16 itself
+        # makes on the drawn model (the reference against float32 training): a drawn model
+        # can be ill-conditioned (a bias gradient that is a small difference of large terms,
+        # the MSE of outputs close to their targets), where rounding in another order moves
+        # the result by as much as rounding at all does. A wrong mask, cast or missing sum
+        # moves it by far more than the rounding does.
+        for k, tol in (("loss", 1e-3), ("gradient", 0.04), ("update", 0.04)):
+            assert errors[k] < tol + 2 * errors[f"{k}_floor"], (k, errors)

@@ -41,9 +41,13 @@ def test_planner_frees_only_what_the_budget_needs():
     freed and the last used in forward (needed first by backward) stay gathered; the plan
     fits its budget and its data round trips."""
     assert not _plan().resharded
-    kept, freed = _plan(reshard_after_forward=False), _plan(reshard_after_forward=True)
+    # buckets of 4 KiB: the whole small GPT in one bucket would hold more in flight, gathered
+    # again in backward, than freeing it saves
+    small = {"bucket_bytes": 4096}
+    kept = _plan(reshard_after_forward=False, **small)
+    freed = _plan(reshard_after_forward=True, **small)
     budget = (kept.cost.peak_memory + freed.cost.peak_memory) / 2
-    plan = _plan(memory_budget=budget, microbatches=1, recompute="none")
+    plan = _plan(memory_budget=budget, microbatches=1, recompute="none", **small)
     assert plan.cost.peak_memory <= budget
     assert 0 < len(plan.resharded) < len(freed.resharded)
     # the final norm and the tied embedding / LM head are used last: they stay gathered
