@@ -68,7 +68,7 @@ def model_specs(draw):
 # models are ill-conditioned: the soak found a 1-layer transformer on (4,) whose loss was 12x
 # bfloat16's own error (the reference against float32 training) away from the reference, and
 # tiny transformers with dropout 3x. Fixed models check bf16-mixed on every plan style
-# (tests/test_mixed_precision.py, which reports that rounding floor too).
+# (tests/test_mixed_precision.py; rank_tasks.mixed_precision_errors also returns that floor).
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                 HealthCheck.function_scoped_fixture])
 @given(spec=model_specs(), mesh=st.sampled_from(MESHES), seed=st.integers(0, 2**20),
