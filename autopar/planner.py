@@ -38,7 +38,7 @@ from autopar.solver.ilp import (
     random_choice,
     solve,
 )
-from autopar.solver.memory import GiB, gathered_bytes, memory_split
+from autopar.solver.memory import memory_split
 
 from .mesh import MeshSpec
 from .options import RECOMPUTE, PlanOptions
@@ -159,32 +159,18 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
            f"{sum(len(v.strategies) for v in graph.nodes.values())} candidate strategies, "
            f"{len(set(clusters.owner.values()))} decisions ({options.solver}, at most "
            f"{options.time_limit:g} s)")
-    ilp_cost, room = cost, 0.0
-    for _ in range(3):
-        # The ILP's constraint leaves out the FSDP gathers in flight ("gathered"): when the
-        # plan's peak with them is over the budget, solve again leaving room for them.
-        try:
-            sol = solve(graph, ilp_cost, memory_budget=budget - room, backend=options.solver,
-                        time_limit=options.time_limit, forced=forced, discouraged=discouraged,
-                        clustering=clusters)
-        except NoFeasiblePlan:
-            raise infeasible(graph, ilp_cost, budget - room, forced) from None
-        choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
-        cost = ilp_cost.copy(reshard=resharding.choose(graph, ilp_cost, choice, budget,
-                                                       mode if mode is not None else
-                                                       (None if freed else False)))
-        plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
-                        options=options)
-        gathered = plan.cost.memory.get("gathered", 0.0)
-        if plan.cost.peak_memory <= budget or gathered <= room or gathered >= budget:
-            break
-        room = gathered
-    if plan.cost.peak_memory > budget:
-        raise NoFeasiblePlan(
-            f"the plan's FSDP gathers in flight ({plan.cost.memory.get('gathered', 0) / GiB:.3f}"
-            f" GiB: buckets of parameters gathered together) leave no room within the memory "
-            f"budget ({budget / GiB:.3f} GiB; the plan needs {plan.cost.peak_memory / GiB:.3f}"
-            " GiB); raise memory_budget, or use more devices", "gathered")
+    try:
+        sol = solve(graph, cost, memory_budget=budget, backend=options.solver,
+                    time_limit=options.time_limit, forced=forced, discouraged=discouraged,
+                    clustering=clusters)
+    except NoFeasiblePlan:
+        raise infeasible(graph, cost, budget, forced) from None
+    choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
+    cost = cost.copy(reshard=resharding.choose(graph, cost, choice, budget,
+                                               mode if mode is not None else
+                                               (None if freed else False)))
+    plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
+                    options=options)
     found = alternatives(graph, cost, choice, forced=forced, discouraged=discouraged,
                          memory_budget=budget, peak=plan.cost.peak_memory, twin=clusters.twin)
     plan.alternatives = compact({program.params.get(n, n): rows for n, rows in found.items()})
@@ -336,9 +322,6 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
     comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0,
                               "all_to_all": 0.0, "gradient_sync": 0.0}
     memory = memory_split(graph, cost, choice)
-    gathered = gathered_bytes(graph, cost, choice)
-    if gathered:
-        memory["gathered"] = gathered
     for v in graph.nodes.values():
         s = choice[v.name]
         if v.kind == PARAM:

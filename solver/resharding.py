@@ -19,7 +19,7 @@ from autopar.passes.reshard import single_gather
 from autopar.passes.strategies import PARAM, Strategy, StrategyGraph
 
 from .cost import CostModel
-from .memory import gathered_bytes, memory_split
+from .memory import memory_split
 
 
 def gathered_parameters(graph: StrategyGraph, choice: dict[str, Strategy]) -> list[str]:
@@ -63,8 +63,7 @@ def choose(graph: StrategyGraph, cost: CostModel, choice: dict[str, Strategy],
         return frozenset(p for p in params if rng.random() < 0.5)
     freed = cost.copy(reshard=frozenset(params))
     kept = cost.copy(reshard=frozenset())
-    peak = sum(memory_split(graph, freed, choice).values()) + \
-        gathered_bytes(graph, freed, choice)
+    peak = sum(memory_split(graph, freed, choice).values())
     out = set(params)
     for p in params:
         extra = _kept_gathered(graph, kept, choice, p) - _kept_gathered(graph, freed, choice, p)
