@@ -32,7 +32,7 @@ def table(width: int, depth: int, batch: int, bucket_bytes: int, out=print) -> N
         world.close()
     r0 = rows[0]
     out(f"MLP {depth} x {width}: whole training state {r0['whole_state'] / 2**20:.0f} MiB, cap "
-        f"{r0['cap'] / 2**20:.1f} MiB per rank; {r0['freed']} of {r0['gathered']} parameters "
+        f"{r0['cap'] / 2**20:.1f} MiB per rank; {r0['freed']} of {r0['parameters']} parameters "
         f"freed after forward; losses {', '.join(f'{v:.3f}' for v in r0['losses'])}")
     out("")
     out("| rank | cap | predicted peak | measured heap peak | heap / predicted | "

@@ -39,7 +39,6 @@ from typing import Any, Protocol
 
 import torch
 
-from autopar.passes.gathers import gather_buckets
 from autopar.passes.placement import local_shape
 from autopar.passes.recompute import Recompute, saved_under_selective
 from autopar.passes.rules.registry import (
@@ -57,8 +56,6 @@ from .specs import optimizer_spec, precision_spec
 
 GiB = 2**30
 KINDS = ("parameters", "gradients", "optimizer", "activations", "recomputed")
-# besides KINDS, a plan's memory has "gathered" (FSDP gathers in flight: `gathered_bytes`) when
-# it gathers parameters; the ILP's constraint leaves it out, the planner keeps room for it
 
 
 class Prices(Protocol):
@@ -79,8 +76,6 @@ class Prices(Protocol):
     def activation_memory(self, node: SNode, strategy: Strategy) -> float: ...
     def edge_memory(self, graph: StrategyGraph, consumer: SNode, slot: int, src, dst
                     ) -> float: ...
-    reshard: frozenset[str]
-    bucket_bytes: float
 
     def regathered(self, graph: StrategyGraph, consumer: SNode, slot: int, src, dst
                    ) -> bool: ...
@@ -426,25 +421,6 @@ def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
     if not out["recomputed"]:  # only plans that recompute have the kind
         del out["recomputed"]
     return out
-
-
-def gathered_bytes(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]) -> float:
-    """Bytes per device of FSDP gathers in flight, on top of what autograd keeps, at the
-    worst bucket (passes/gathers.py), in the compute dtype; 0 when nothing is gathered.
-
-    Forward waits for a bucket (its rows and the tensors copied out of them) while the next
-    bucket's all-gather is in flight: the bucket's own tensors are what autograd keeps, so two
-    more. Backward, for a bucket kept gathered, holds its gradients and the buffer they are
-    reduce-scattered from: two. For a bucket freed after forward, backward holds it gathered
-    again, the next one's prefetch, its gradients and their reduce-scatter buffer: four."""
-    worst = 0.0
-    for chain in gather_buckets(graph, choice, cost.bucket_bytes).values():
-        for bucket in chain:
-            size = sum(cost.nbytes(local_shape(graph.nodes[p].out_shapes[0], dst, cost.shape),
-                                   graph.nodes[p].out_dtypes[0]) for p, dst, _ in bucket)
-            freed = any(p in cost.reshard for p, _, _ in bucket)
-            worst = max(worst, (4 if freed else 2) * size)
-    return worst
 
 
 def plan_memory(graph: StrategyGraph, cost: Prices, choice: dict[str, int]) -> float:

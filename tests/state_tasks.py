@@ -186,4 +186,4 @@ def train_beyond_one_rank(width: int, depth: int, batch: int, steps: int = 3,
     return {"cap": cap, "whole_state": 16 * numel, "predicted": pm.plan.cost.peak_memory,
             "split": dict(pm.plan.cost.memory), "heap": peak.peak - heap0 + shards,
             "rss": PeakSampler.resident("VmHWM") - rss0 + shards, "losses": losses,
-            "freed": len(pm.plan.resharded), "gathered": len(pm.plan.parameters)}
+            "freed": len(pm.plan.resharded), "parameters": len(pm.plan.parameters)}
