@@ -39,9 +39,11 @@ from autopar.passes.recompute_regions import wrap_recomputed
 from autopar.passes.rewrite import rewrite
 from autopar.passes.torch_compat import persistent_buffers
 from autopar.passes.trace import TracedProgram, TraceError, meta_copy, trace
+from autopar.passes.zero import zero_shard
 from autopar.runtime.collectives import MeshComm
 from autopar.runtime.control import Control, RankError, agreed, content_hash, signature
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.zero import ZeroSync
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.params import ParameterStore, local_block, skeleton_child
 from autopar.runtime.pipeline import PipelineModule, SubmeshComm, stage_parameters
@@ -263,7 +265,8 @@ class Parallelized(nn.Module):
         spec = self._spec
 
         def match():
-            graph = strat_pass.build(program, spec.shape, input_placement(spec, self._options))
+            graph = strat_pass.build(program, spec.shape, input_placement(spec, self._options),
+                                     zero=True)
             return graph, choice_from_plan(plan, graph)
 
         graph, choice = self._agreed("matching the plan to the model", match)
@@ -312,12 +315,13 @@ class Parallelized(nn.Module):
         to fit) and broadcast; every rank checks that all hold the same."""
         given = self._given_plan if self._store is None else None
         storage = self._store.placements if self._store is not None else None
+        zero = self._store.zero_stages() if self._store is not None else None
 
         def solve() -> Plan:
             if given is not None:
                 return given
             return solve_accumulated(trace_at, batch, self._spec, self._options,
-                                     storage=storage, accumulate=accumulate)[0]
+                                     storage=storage, zero=zero, accumulate=accumulate)[0]
 
         plan = self._agreed("planning", solve, on_rank0=given is None)
         self._check_same_plan(plan)
@@ -364,14 +368,22 @@ class Parallelized(nn.Module):
         replicated = tuple(Replicate() for _ in mesh_shape)
         names = [n for n, _ in self._source.obj.named_parameters()]
         placements = {n: tuple(plan.parameters.get(n, replicated)) for n in names}
-        self._place(placements, self._mesh_holder.obj, mesh_shape, self._coords)
+        shapes = {n: tuple(p.shape) for n, p in self._source.obj.named_parameters()}
+        zero = {n: (stage, zero_shard(shapes[n], placements[n], mesh_shape))
+                for n, stage in plan.zero.items()}
+        self._place(placements, self._mesh_holder.obj, mesh_shape, self._coords, zero)
+        store = self._store
         trained = [(leaf, tuple(k for k, p in enumerate(placements[n])
                                 if isinstance(p, Replicate)))
-                   for n, leaf in self._store.leaves.items() if leaf.requires_grad]
+                   for n, leaf in store.leaves.items() if leaf.requires_grad and n not in zero]
+        sharded = ZeroSync([(store.leaves[n], z) for n, z in store.zero.items()
+                            if store.leaves[n].requires_grad], self._comm.groups,
+                           self._options.bucket_bytes) if zero else None
         self._grad_sync = GradSync(trained, self._comm.groups, mesh_shape,
-                                   self._options.bucket_bytes)
+                                   self._options.bucket_bytes, zero=sharded)
 
-    def _place(self, placements: dict[str, tuple], mesh, mesh_shape, coords) -> None:
+    def _place(self, placements: dict[str, tuple], mesh, mesh_shape, coords,
+               zero: dict | None = None) -> None:
         """Rank 0's parameters and buffers, broadcast (every rank starts from one model): this
         rank keeps its block, at mesh `coords`, of each parameter in `placements` (in that
         order: the order gradients are bucketed in, the same on every rank) in a
@@ -390,7 +402,8 @@ class Parallelized(nn.Module):
             model, keep, self._device, self._broadcast_group(), self._init_fn))
         self._store = ParameterStore(
             mesh, placements, {n: local[n] for n in placements},
-            {n: params[n].requires_grad for n in placements}, self._aliases)
+            {n: params[n].requires_grad for n in placements}, self._aliases, zero,
+            self._options.bucket_bytes)
         self._store.register(self)
         persistent = persistent_buffers(model)
         for name in buffers:
@@ -623,9 +636,7 @@ class Parallelized(nn.Module):
         if self._pipeline is not None:
             return self._pipeline.full_grads()
         store = self._built()
-        return {n: store.whole(n, leaf.grad if leaf.grad is not None
-                               else torch.zeros_like(leaf))
-                for n, leaf in store.leaves.items()}
+        return {n: store.whole_grad(n) for n in store.leaves}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradients so that their global norm is at most `max_norm`; returns the

@@ -177,6 +177,9 @@ class Plan:
     # parameters (model names) gathered whole for their use (FSDP) whose gathered copies are
     # freed after forward and gathered again for backward (reshard after forward)
     resharded: list[str] = field(default_factory=list)
+    # parameters (model names) stored replicated whose optimizer state (stage 1), and gradient
+    # (stage 2), are sharded over their data-parallel ranks: ZeRO (passes/zero.py)
+    zero: dict[str, int] = field(default_factory=dict)
 
     @property
     def submesh_shape(self) -> tuple[int, ...]:
@@ -195,7 +198,7 @@ class Plan:
                     "strategies": self.strategies, "options": self.options.decision(),
                     "accumulation": self.accumulation,
                     "recompute": sorted(self.recompute.mode_of.items()),
-                    "resharded": sorted(self.resharded)}
+                    "resharded": sorted(self.resharded), "zero": sorted(self.zero.items())}
         if self.pipeline is not None:
             decision["pipeline"] = self.pipeline.decision()
         payload = json.dumps(decision, sort_keys=True)
@@ -223,6 +226,7 @@ class Plan:
             "alternatives": self.alternatives,
             "recompute": self.recompute.to_dict(),
             "resharded": sorted(self.resharded),
+            "zero": dict(sorted(self.zero.items())),
         }
         if self.pipeline is not None:
             out["pipeline"] = asdict(self.pipeline)
@@ -244,7 +248,8 @@ class Plan:
             PipelinePlan(**d["pipeline"]) if d.get("pipeline") else None,
             PlanOptions.from_dict(d.get("options", {})), d.get("accumulation", 1),
             d.get("mesh_search", []), d.get("alternatives", {}),
-            Recompute.from_dict(d.get("recompute")), list(d.get("resharded", [])))
+            Recompute.from_dict(d.get("recompute")), list(d.get("resharded", [])),
+            {k: int(v) for k, v in d.get("zero", {}).items()})
 
     def save(self, path: str) -> None:
         """Write the plan as JSON."""

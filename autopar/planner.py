@@ -111,7 +111,8 @@ def _dims(mesh: MeshSpec) -> str:
 def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | None = None, *,
                storage: dict[str, Placements] | None = None,
                fold_layers: bool = True, recompute: str | None = None,
-               reshard: bool = False) -> tuple[Plan, StrategyGraph]:
+               reshard: bool = False, zero: dict[str, int] | None = None,
+               accumulation: int = 1) -> tuple[Plan, StrategyGraph]:
     """Build strategies, solve the ILP and describe the result.
 
     With `reshard` (and `options.reshard_after_forward` None) the ILP prices every parameter
@@ -121,15 +122,17 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
 
     `options.solver == "random"` draws a valid plan instead (seeded by `options.seed`): any
     plan the ILP could choose may come out, which is what the property tests run. With
-    `storage` (parameter name -> placements), parameters stay where they are stored: a plan
-    for another input shape or mode of a model already running.
+    `storage` (parameter name -> placements; `zero`: name -> ZeRO stage), parameters stay
+    where they are stored: a plan for another input shape or mode of a model already
+    running. `accumulation` is the number of microbatches a step accumulates over (ZeRO-2
+    pays a reduce-scatter for each).
     """
     options = options or PlanOptions()
     report = Progress(options.progress)
     styles = styles_by_dim(mesh, options.force)  # a bad force fails before the work
     shape = "x".join(map(str, mesh.shape))
     report(f"strategies for {len(program.graph.nodes)} graph nodes on mesh {shape}")
-    graph = strat_pass.build(program, mesh.shape, input_placement(mesh, options))
+    graph = strat_pass.build(program, mesh.shape, input_placement(mesh, options), zero=True)
     mode = recompute or options.recompute or "none"
     r = recompute_plan(program, graph, mode, keep_user=options.recompute != "none") \
         if program.has_loss else NO_RECOMPUTE
@@ -137,13 +140,14 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     freed = mode is True or (mode is None and reshard)
     cost = CostModel(mesh, options.optimizer, options.bucket_bytes, graph=graph,
                      precision=options.precision, recompute=r, reshard=frozenset(
-                         n for n, v in graph.nodes.items() if v.kind == PARAM) if freed else ())
+                         n for n, v in graph.nodes.items() if v.kind == PARAM) if freed else (),
+                     accumulation=accumulation)
     if options.profile not in (None, False):
         cost = cost.copy(measured=profiler(options.profile).measure(graph, cost))
     budget = options.memory_budget
     if budget is None:
         budget = mesh.profile.memory * (1 - mesh.profile.memory_reserve)
-    kept = kept_storage(graph, program, storage)
+    kept = kept_storage(graph, program, storage, zero)
     if options.solver == "random":
         rng = random.Random(options.seed)
         drawn = random_choice(graph, cost, rng, kept)
@@ -180,7 +184,8 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
 
 def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
                       options: PlanOptions | None = None, *,
-                      storage: dict[str, Placements] | None = None, accumulate: bool = True
+                      storage: dict[str, Placements] | None = None,
+                      zero: dict[str, int] | None = None, accumulate: bool = True
                       ) -> tuple[Plan, StrategyGraph, TracedProgram]:
     """Plan a step that may accumulate gradients over microbatches (any mesh without "pp"):
     `trace_at(m)` traces the model on 1/m of the batch (`batch`: dimension 0 of every input
@@ -222,8 +227,8 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
         plain = False  # a plan fits at this count without recomputing more than levels[0]
         for level, reshard in levels:
             try:
-                plan, graph = solve_plan(program, mesh, options, storage=storage,
-                                         recompute=level, reshard=reshard)
+                plan, graph = solve_plan(program, mesh, options, storage=storage, zero=zero,
+                                         recompute=level, reshard=reshard, accumulation=m)
             except NoFeasiblePlan as e:
                 error = e
                 if e.activations_matter:
@@ -286,9 +291,10 @@ def input_placement(mesh: MeshSpec, options: PlanOptions) -> Placements | None:
 
 
 def kept_storage(graph: StrategyGraph, program: TracedProgram,
-                 storage: dict[str, Placements] | None) -> dict[str, list[int]]:
-    """For each parameter node, the index of the strategy that keeps it stored at
-    `storage[name]`."""
+                 storage: dict[str, Placements] | None,
+                 zero: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """For each parameter node, the indices of the strategies that keep it stored at
+    `storage[name]` (at ZeRO stage `zero[name]`, for a program that trains)."""
     if not storage:
         return {}
     out = {}
@@ -296,7 +302,9 @@ def kept_storage(graph: StrategyGraph, program: TracedProgram,
         if v.kind != PARAM:
             continue
         want = storage[program.params[n]]
-        ks = [k for k, s in enumerate(v.strategies) if s.output == tuple(want)]
+        stage = (zero or {}).get(program.params[n], 0) if program.has_loss else 0
+        ks = [k for k, s in enumerate(v.strategies) if s.output == tuple(want)
+              and s.zero == stage]
         if not ks:
             raise ValueError(f"parameter {program.params[n]} cannot stay stored at "
                              f"{fmt(want)} in this program")
@@ -325,9 +333,9 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
     for v in graph.nodes.values():
         s = choice[v.name]
         if v.kind == PARAM:
-            for k, nbytes, t in cost.grad_sync_steps(v, s.output):
+            for kind, k, nbytes, t in cost.grad_sync_steps(v, s.output, s.zero):
                 comm["gradient_sync"] += t
-                collectives.append(Collective("all_reduce", k, nbytes, t, "gradient sync",
+                collectives.append(Collective(kind, k, nbytes, t, "gradient sync",
                                               program.params[v.name]))
             continue
         if v.kind == INPUT:
@@ -369,7 +377,9 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
                 strategies, fingerprint(graph), sol.solve_time if sol else 0.0,
                 sol.backend if sol else "given", graph.unsupported,
                 options=options or PlanOptions(), recompute=cost.recompute,
-                resharded=sorted(program.params.get(n, n) for n in cost.reshard))
+                resharded=sorted(program.params.get(n, n) for n in cost.reshard),
+                zero={program.params[n]: s.zero for n, s in choice.items()
+                      if graph.nodes[n].kind == PARAM and s.zero})
 
 
 def why_replicated(node: SNode, strategy: Strategy, mesh: MeshSpec) -> str:
@@ -394,9 +404,11 @@ def choice_from_plan(plan: Plan, graph: StrategyGraph) -> dict[str, Strategy]:
             choice[name] = v.strategies[0]
             continue
         want = plan.strategies[name]
+        stage = plan.zero.get(v.param_name, 0) if v.kind == PARAM else 0
         for s in v.strategies:
             out = fmt(s.output) if not v.multi_output else [fmt(o) for o in s.output]
-            if [fmt(p) for p in s.inputs] == list(want[0]) and out == want[1]:
+            if [fmt(p) for p in s.inputs] == list(want[0]) and out == want[1] and \
+                    s.zero == stage:
                 choice[name] = s
                 break
         else:

@@ -22,6 +22,7 @@ from .rules import RULES, OpCall, OpFacts, Rule1D, TensorArg, facts_of, replicat
 from .rules.registry import UNKNOWN
 from .torch_compat import tree_leaves, tree_map
 from .trace import TracedProgram, module_path, source_line
+from .zero import STAGES, zero_shard
 
 INPUT, PARAM, CONSTANT, OP = "input", "param", "constant", "op"
 # Why an op has no sharded strategy (SNode.replicated_only).
@@ -47,6 +48,9 @@ class Strategy:
 
     inputs: tuple[Placements, ...]
     output: Placements | tuple[Placements, ...]
+    # a parameter stored at `output` whose optimizer state (1), and gradient (2), are sharded
+    # over its data-parallel ranks: ZeRO (passes/zero.py); 0 for everything else
+    zero: int = 0
 
     def out(self, index: int | None) -> Placements:
         """Placements of output `index` (None for single-output nodes)."""
@@ -166,11 +170,13 @@ def _all_replicated(rule: Rule1D) -> bool:
 
 
 def build(program: TracedProgram, mesh_shape: tuple[int, ...],
-          input_placement: Placements | None = None) -> StrategyGraph:
+          input_placement: Placements | None = None, zero: bool = False) -> StrategyGraph:
     """Candidate strategies for every node of `program` on a mesh of `mesh_shape`.
 
     User inputs arrive whole on every rank (consumers cut their block for free), or, with
-    `input_placement`, as each rank's block of that placement (per-rank inputs)."""
+    `input_placement`, as each rank's block of that placement (per-rank inputs). With `zero`,
+    a parameter that trains also has its ZeRO-1 and ZeRO-2 candidates (passes/zero.py) after
+    the plain ones."""
     mesh_shape = tuple(mesh_shape)
     nodes: dict[str, SNode] = {}
     unsupported: list[str] = []
@@ -187,6 +193,7 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
         if node.op == "placeholder":
             val = node.meta["val"]
             shape = tuple(int(s) for s in val.shape)
+            extra: list[Strategy] = []
             if node.name in program.params:
                 kind = PARAM
                 cands = _storage_placements(shape, mesh_shape)
@@ -194,6 +201,9 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
                 # backward, nothing kept for it, parameters stored only).
                 if node.name not in program.frozen and program.has_loss:
                     grad.add(node.name)
+                    if zero:
+                        extra = [Strategy((), c, stage) for c in cands for stage in STAGES
+                                 if zero_shard(shape, c, mesh_shape) is not None]
             elif node.name in program.buffers:
                 kind = CONSTANT
                 cands = [tuple(R for _ in mesh_shape)]
@@ -208,7 +218,8 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
                         "batch divisible by the number of slices")
             nodes[node.name] = SNode(
                 node.name, kind, "", [], [], [shape], [val.dtype], False, node.name in grad,
-                [Strategy((), c) for c in cands], None, "", program.params.get(node.name))
+                [Strategy((), c) for c in cands] + extra, None, "",
+                program.params.get(node.name))
             continue
         call, tensor_nodes = op_call(node)
         # getitem nodes are folded into their consumers' edges (producer, output index).

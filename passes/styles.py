@@ -8,6 +8,8 @@ ILP still chooses everything the style leaves open.
            batch run sharded on this dimension wherever some plan allows it (replicated
            strategies carry a penalty rather than a ban, so shapes that split evenly nowhere
            still have a plan).
+- "zero1", "zero2" (ZeRO-1 / ZeRO-2): as "data", but the optimizer state (and for "zero2" the
+           gradients) of parameters that can take ZeRO there (passes/zero.py) are sharded.
 - "fsdp"   (ZeRO-3 / FSDP): as "data", but parameters with a dimension that splits evenly are
            stored sharded and all-gathered for use (gradients reduce-scattered).
 - "tensor" (Megatron): matrix and embedding parameters are stored sharded on this dimension and
@@ -20,8 +22,10 @@ from __future__ import annotations
 from autopar.passes.placement import Replicate, Shard
 
 from .strategies import INPUT, OP, PARAM, StrategyGraph
+from .zero import zero_shard
 
-STYLES = ("auto", "data", "fsdp", "tensor")
+STYLES = ("auto", "data", "zero1", "zero2", "fsdp", "tensor")
+DATA_PARALLEL = ("data", "zero1", "zero2", "fsdp")  # the batch is split on the dimension
 
 
 def allowed_strategies(graph: StrategyGraph, styles: dict[int, str]
@@ -64,7 +68,7 @@ def allowed_strategies(graph: StrategyGraph, styles: dict[int, str]
 
 
 def _replicated_compute(graph, v, s, k, style, batch_dependent) -> bool:
-    if style not in ("data", "fsdp") or v.name not in batch_dependent or \
+    if style not in DATA_PARALLEL or v.name not in batch_dependent or \
             graph.mesh_shape[k] == 1:
         return False
     outs = s.output if v.multi_output else (s.output,)
@@ -75,8 +79,9 @@ def _ok(graph, v, s, k, style) -> bool:
     if v.kind == PARAM:
         p = s.output[k]
         big = len(v.out_shapes[0]) >= 2
-        if style == "data":
-            return isinstance(p, Replicate)
+        if style in ("data", "zero1", "zero2"):
+            return isinstance(p, Replicate) and _zero_ok(
+                graph, v, s, k, {"data": 0, "zero1": 1, "zero2": 2}[style])
         if style == "fsdp":
             return isinstance(p, Shard) or graph.mesh_shape[k] == 1 or not _splits(v, graph, k)
         if style == "tensor":
@@ -88,7 +93,7 @@ def _ok(graph, v, s, k, style) -> bool:
     for slot, (u, _) in enumerate(v.inputs):
         if graph.nodes[u].kind == PARAM:
             want = s.inputs[slot][k]
-            if style in ("data", "fsdp") and not isinstance(want, Replicate):
+            if style in DATA_PARALLEL and not isinstance(want, Replicate):
                 return False
     if style == "tensor":
         # Parameters are used where they are stored: the use must match some shard of it.
@@ -98,6 +103,18 @@ def _ok(graph, v, s, k, style) -> bool:
                     not isinstance(s.inputs[slot][k], Shard):
                 return False
     return True
+
+
+def _zero_ok(graph, v, s, k, stage: int) -> bool:
+    """Whether strategy `s` of parameter `v` is at ZeRO `stage` over mesh dimension `k`; one
+    that cannot take ZeRO there (or takes it over another dimension) always is, so that every
+    style leaves a parameter a strategy."""
+    if s.zero == 0 and stage == 0:
+        return True
+    z = zero_shard(v.out_shapes[0], s.output, graph.mesh_shape)
+    if z is None or z.mesh_dim != k:
+        return s.zero == 0 or stage == 0
+    return s.zero == stage
 
 
 def _first_split(v, graph, k, i) -> bool:

@@ -137,14 +137,7 @@ class _AllGatherMany(torch.autograd.Function):
         # reduce_dtype: one rounding of the sum, not one per rank's addend.
         dtype = some.dtype
         reduce = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-        src = torch.empty(n, sum(sizes), dtype=reduce, device=some.device)
-        offset = 0
-        for g, shape, d, size in zip(grads, ctx.shapes, ctx.dims, sizes):
-            if g is None:
-                src[:, offset:offset + size].zero_()
-            else:
-                src[:, offset:offset + size].view(n, *shape).copy_(_blocks(g, shape, d, n))
-            offset += size
+        src = rank_major(grads, ctx.shapes, ctx.dims, n, reduce)
         out = torch.empty(src.shape[1], dtype=src.dtype, device=src.device)
         torch_compat.reduce_scatter_single(out, src.view(-1), group=ctx.group)
         grads_in, offset = [], 0
@@ -157,13 +150,37 @@ class _AllGatherMany(torch.autograd.Function):
 def copy_out(rows: torch.Tensor, xs, dims, n: int) -> list[torch.Tensor]:
     """The whole tensors of shards `xs` (each concatenated along dims[i]) from the rows an
     all-gather of their flattened concatenation made: (ranks, total shard elements)."""
-    out, offset = [], 0
-    for x, d in zip(xs, dims):
-        full = torch.empty(_gathered(x.shape, d, n), dtype=x.dtype, device=x.device)
-        _blocks(full, x.shape, d, n).copy_(rows[:, offset:offset + x.numel()].view(n, *x.shape))
-        out.append(full)
-        offset += x.numel()
+    out = [torch.empty(_gathered(x.shape, d, n), dtype=x.dtype, device=x.device)
+           for x, d in zip(xs, dims)]
+    copy_into(rows, out, [x.shape for x in xs], dims, n)
     return out
+
+
+def copy_into(rows: torch.Tensor, wholes, shard_shapes, dims, n: int) -> None:
+    """Write the gathered `rows` (ranks, total shard elements) into the whole tensors
+    `wholes`, each the concatenation of n shards of shard_shapes[i] along dims[i]."""
+    offset = 0
+    for whole, shape, d in zip(wholes, shard_shapes, dims):
+        size = torch.Size(shape).numel()
+        _blocks(whole, shape, d, n).copy_(rows[:, offset:offset + size].view(n, *shape))
+        offset += size
+
+
+def rank_major(wholes, shard_shapes, dims, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The buffer a reduce-scatter of several tensors takes: (ranks, total shard elements),
+    row r holding rank r's block (along dims[i], of shard_shapes[i]) of each of `wholes` one
+    after another, in `dtype`; a None entry contributes zeros (copy-in, as FSDP2's)."""
+    sizes = [torch.Size(s).numel() for s in shard_shapes]
+    some = next(w for w in wholes if w is not None)
+    src = torch.empty(n, sum(sizes), dtype=dtype, device=some.device)
+    offset = 0
+    for w, shape, d, size in zip(wholes, shard_shapes, dims, sizes):
+        if w is None:
+            src[:, offset:offset + size].zero_()
+        else:
+            src[:, offset:offset + size].view(n, *shape).copy_(_blocks(w, shape, d, n))
+        offset += size
+    return src
 
 
 class Gathering:

@@ -1,4 +1,5 @@
-"""Gradient synchronization: all-reduce the gradients of parameters stored replicated.
+"""Gradient synchronization: all-reduce the gradients of parameters stored replicated (and
+drive the reduce-scatter of ZeRO parameters', runtime/zero.py).
 
 The local gradient of a replicated parameter is a pending sum over every mesh dimension where it
 is replicated, so it is summed there. Gradients are flattened into buckets of at most
@@ -73,8 +74,11 @@ class GradSync:
     """Bucketed all-reduce of replicated parameters' gradients, overlapped with backward."""
 
     def __init__(self, params: list[tuple[torch.nn.Parameter, tuple[int, ...]]], groups: list,
-                 mesh_shape: tuple[int, ...], bucket_bytes: int = BUCKET_BYTES):
+                 mesh_shape: tuple[int, ...], bucket_bytes: int = BUCKET_BYTES, zero=None):
+        """`params`: each replicated parameter's leaf and the mesh dimensions it is replicated
+        on; `zero`: the runtime.zero.ZeroSync of the ZeRO parameters, driven alongside."""
         self.groups = groups
+        self.zero = zero
         reduced = [(p, tuple(k for k in dims if mesh_shape[k] > 1)) for p, dims in params]
         self.overlapped: list[_Bucket] = []
         for k in range(len(mesh_shape)):
@@ -110,12 +114,21 @@ class GradSync:
                     self._stash[p] = p.grad
                     p.grad = None
         self._holding = hold
+        if self.zero is not None:
+            self.zero.begin(hold)
         self._arm(report)
+
+    def microbatch_done(self) -> None:
+        """After each backward but the step's last (gradient accumulation)."""
+        if self.zero is not None:
+            self.zero.microbatch_done()
 
     def release(self, report: PendingSum | None = None) -> None:
         """Before the last microbatch's backward: launch each bucket once its gradients,
         accumulated over the microbatches, are complete (overlapped with that backward)."""
         self._holding = False
+        if self.zero is not None:
+            self.zero.release()
         self._arm(report)
 
     def _arm(self, report: PendingSum | None) -> None:
@@ -172,6 +185,8 @@ class GradSync:
         for p, g in self._stash.items():
             p.grad = g if p.grad is None else p.grad.add_(g)
         self._stash = {}
+        if self.zero is not None:
+            self.zero.finish()
 
 
 def _missing(params: list[torch.nn.Parameter]) -> set[int]:

@@ -74,6 +74,7 @@ class ParallelModule:
         last microbatch's backward); returns the loss (the same on every rank): the mean of
         the microbatches' losses (`mean`, for a loss that averages its batch) or their sum.
         Gradients of the local shards are complete when this returns."""
+        self._store.refresh()  # ZeRO shards stepped since the last program ran
         self._store.pull_grads()
         m = len(microbatches)
         scale = 1.0 / m if mean else 1.0
@@ -94,6 +95,8 @@ class ParallelModule:
             elif last:
                 self._grad_sync.release(report)
             loss.backward(torch.full_like(loss, self._loss.seed * scale))
+            if not last:
+                self._grad_sync.microbatch_done()
         self._grad_sync.finish()
         self._store.push_grads()
         return report.wait()
@@ -101,6 +104,7 @@ class ParallelModule:
     def infer(self, tensors: list[torch.Tensor]):
         """Inference: returns what the original model returns, whole. Runs without autograd;
         train through `step`, which seeds the backward pass correctly."""
+        self._store.refresh()
         with torch.no_grad():
             flat = self._programs.infer(*self._feed(self._infer_inputs, tensors))
         return tree_unflatten(list(flat), self._out_spec)

@@ -14,6 +14,11 @@ the leaf in place (same storage). `pull_grads` before a step gives the leaves th
 user left on the DTensors (None after `zero_grad()`), `push_grads` after it hands the leaves'
 gradients back as DTensors with the parameters' placements.
 
+A ZeRO parameter (passes/zero.py, runtime/zero.py) has a leaf holding the whole of its stored
+block, and the DTensor the user's optimizer steps is a shard of it: a view of this rank's slice
+of the leaf. Its gradient reaches the shard by reduce-scatter (`zero` entries, which
+`runtime.zero.ZeroSync` fills), and `refresh` gathers stepped shards back into the leaves.
+
 A store over no mesh (a pipeline stage whose only mesh dimension is "pp") keeps plain
 parameters, which are their own leaves.
 """
@@ -25,6 +30,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autopar.passes.placement import Placements, local_slices
+from autopar.passes.reshard import BUCKET_BYTES
+from autopar.passes.zero import ZeroShard
+
+from .zero import ZeroParam, gather_stepped, shard_view
 
 
 def skeleton_child(root: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -54,18 +63,35 @@ class ParameterStore:
 
     def __init__(self, mesh, placements: dict[str, Placements],
                  local: dict[str, torch.Tensor], requires_grad: dict[str, bool],
-                 aliases: dict[str, list[str]]):
+                 aliases: dict[str, list[str]],
+                 zero: dict[str, tuple[int, ZeroShard]] | None = None,
+                 bucket_bytes: float = BUCKET_BYTES):
         """`mesh` is the DeviceMesh the placements are over (None: plain parameters);
         `local[name]` this rank's block of each parameter (taken, not copied); `aliases` the
-        other names a tied parameter goes by in the model."""
+        other names a tied parameter goes by in the model; `zero` the ZeRO stage and shard of
+        the parameters that have one (`bucket_bytes`: how much `refresh` gathers at once)."""
         self.mesh = mesh
         self.placements = dict(placements)
         self.params: dict[str, nn.Parameter] = {}
         self.leaves: dict[str, torch.Tensor] = {}
+        self.zero: dict[str, ZeroParam] = {}
+        self.bucket_bytes = bucket_bytes
         for name, block in local.items():
             if mesh is None:
                 p = nn.Parameter(block, requires_grad=requires_grad[name])
                 self.params[name], self.leaves[name] = p, p
+                continue
+            if zero and name in zero:
+                stage, shard = zero[name]
+                leaf = nn.Parameter(block, requires_grad=requires_grad[name])
+                k = shard.mesh_dim
+                view = shard_view(leaf, shard, mesh.get_coordinate()[k], mesh.shape[k])
+                self.leaves[name] = leaf
+                self.params[name] = nn.Parameter(
+                    DTensor.from_local(view, mesh, shard.placements, run_check=False),
+                    requires_grad=requires_grad[name])
+                self.zero[name] = ZeroParam(stage, shard, view,
+                                            version=self.params[name]._version)
                 continue
             dt = DTensor.from_local(block, mesh, placements[name], run_check=False)
             p = nn.Parameter(dt, requires_grad=requires_grad[name])
@@ -79,6 +105,34 @@ class ParameterStore:
     def distributed(self) -> bool:
         return self.mesh is not None
 
+    def zero_stages(self) -> dict[str, int]:
+        """The ZeRO stage of each parameter that has one."""
+        return {n: z.stage for n, z in self.zero.items()}
+
+    def user_placements(self, name: str) -> Placements:
+        """The placements of the DTensor the user sees for parameter `name` (its ZeRO shard's,
+        or where it is stored)."""
+        z = self.zero.get(name)
+        return z.shard.placements if z is not None else self.placements[name]
+
+    def refresh(self) -> None:
+        """Gather the ZeRO shards an optimizer stepped into the whole copies the programs use
+        (a collective when any were stepped; call before running a program)."""
+        if self.zero:
+            groups = [self.mesh.get_group(k) for k in range(self.mesh.ndim)]
+            gather_stepped([(self.leaves[n], self.params[n], z) for n, z in self.zero.items()],
+                           groups, self.bucket_bytes)
+
+    def whole_grad(self, name: str) -> torch.Tensor:
+        """The whole gradient of parameter `name`, zeros when it has none (a collective)."""
+        z = self.zero.get(name)
+        leaf = self.leaves[name]
+        if z is None:
+            return self.whole(name, leaf.grad if leaf.grad is not None
+                              else torch.zeros_like(leaf))
+        g = z.grad if z.grad is not None else torch.zeros_like(z.view)
+        return DTensor.from_local(g, self.mesh, z.shard.placements, run_check=False).full_tensor()
+
     def register(self, root: nn.Module) -> None:
         """Register every parameter on `root` under the model's names (tied ones under each
         of their names, as the model had them)."""
@@ -90,6 +144,8 @@ class ParameterStore:
     def whole(self, name: str, block: torch.Tensor | None = None) -> torch.Tensor:
         """The whole tensor of parameter `name`, or of `block` (a tensor stored like it, e.g.
         its gradient): all-gathers over the mesh, a collective."""
+        if block is None and name in self.zero:  # the shards are current, the leaf may not be
+            return self.params[name].detach().full_tensor()
         x = (self.leaves[name] if block is None else block).detach()
         if not self.distributed:
             return x
@@ -139,6 +195,10 @@ class ParameterStore:
                     "unfreeze parameters before parallelize (the plan prices and synchronizes "
                     "gradients of the parameters that train)")
             g = p.grad
+            if name in self.zero:  # the shard's gradient; the leaf's is reduce-scattered into it
+                self.zero[name].grad = None if g is None else g.to_local()
+                leaf.grad = None
+                continue
             leaf.grad = None if g is None else g.to_local()
 
     def push_grads(self) -> None:
@@ -146,6 +206,7 @@ class ParameterStore:
         if not self.distributed:
             return
         for name, p in self.params.items():
-            g = self.leaves[name].grad
+            z = self.zero.get(name)
+            g = self.leaves[name].grad if z is None else z.grad
             p.grad = None if g is None else DTensor.from_local(
-                g, self.mesh, self.placements[name], run_check=False)
+                g, self.mesh, self.user_placements(name), run_check=False)

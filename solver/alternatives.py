@@ -37,7 +37,7 @@ def candidate_cost(graph: StrategyGraph, cost: CostModel, choice: dict[str, Stra
     compute = 0.0 if v.kind == PARAM else sum(cost.compute_times(v, s))
     memory = cost.node_memory(v, s)
     if v.kind == PARAM:
-        for _, _, t in cost.grad_sync_steps(v, s.output):
+        for *_, t in cost.grad_sync_steps(v, s.output, s.zero):
             comm["gradient_sync"] += t
     edges = [(v, slot, choice[u].out(idx), s.inputs[slot])
              for slot, (u, idx) in enumerate(v.inputs)]

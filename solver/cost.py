@@ -18,7 +18,8 @@ Everything is seconds or bytes, per device, for one training step (forward + bac
   size, all-to-all (n-1)/n on the local size. A tensor that carries a gradient pays each
   collective's dual in backward as well (same bytes).
 - gradient synchronization: a parameter stored replicated on a mesh dimension gets its gradient
-  all-reduced there (the local gradient of a replicated value is a pending sum), in buckets.
+  all-reduced there (the local gradient of a replicated value is a pending sum), in buckets;
+  under ZeRO (passes/zero.py) reduce-scattered, and its stepped shards all-gathered.
 - memory (solver/memory.py): parameters, gradients and optimizer state per storage placement,
   plus the tensors autograd keeps for backward, per strategy and per resharding edge.
 - precision: "fp32", or "bf16-mixed" (parameters, activations, gradients and collectives in
@@ -42,6 +43,7 @@ from autopar.passes.reshard import BUCKET_BYTES, ReshardError, Step, plan_steps,
 from autopar.passes.rules import LOWERINGS, TensorArg
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, SNode, Strategy, StrategyGraph
 from autopar.passes.torch_compat import tree_map
+from autopar.passes.zero import zero_shard
 
 from . import memory as mem
 from .flops import backward_factor, drawn_elements, facts, is_view, op_flops
@@ -75,7 +77,7 @@ class CostModel:
                  precision: str | Precision | None = None,
                  measured: Mapping[str, tuple[float, float]] | None = None,
                  activation_factor: float = 1.0, recompute: Recompute | None = None,
-                 reshard: frozenset[str] = frozenset()):
+                 reshard: frozenset[str] = frozenset(), accumulation: int = 1):
         self.mesh = mesh
         self.bucket_bytes = bucket_bytes
         self.hw = mesh.profile
@@ -91,15 +93,17 @@ class CostModel:
             if graph is not None else Counter()
         # parameters whose gathered copies are freed after forward (see `regathered`)
         self.reshard = frozenset(reshard)
+        # microbatches a step accumulates gradients over (ZeRO-2 reduce-scatters each one's)
+        self.accumulation = accumulation
         self._reshard = lru_cache(maxsize=None)(self._reshard_uncached)
 
     def copy(self, **changes) -> CostModel:
         """The same model with some settings changed (mesh, optimizer, bucket_bytes, graph,
-        precision, measured, activation_factor, recompute, reshard)."""
+        precision, measured, activation_factor, recompute, reshard, accumulation)."""
         kw = dict(mesh=self.mesh, optimizer=self.optimizer, bucket_bytes=self.bucket_bytes,
                   graph=self.graph, precision=self.precision, measured=self.measured,
                   activation_factor=self.activation_factor, recompute=self.recompute,
-                  reshard=self.reshard)
+                  reshard=self.reshard, accumulation=self.accumulation)
         kw.update(changes)
         out = copy.copy(self)  # keeps a subclass's own state
         CostModel.__init__(out, **kw)
@@ -317,26 +321,34 @@ class CostModel:
         return f, f * backward_factor(node)
 
     # -- parameters ----------------------------------------------------------------------------
-    def grad_sync_time(self, node: SNode, storage: Placements) -> float:
-        """Seconds to all-reduce the gradient over the mesh dimensions where it is replicated.
+    def grad_sync_time(self, node: SNode, storage: Placements, zero: int = 0) -> float:
+        """Seconds to synchronize the gradient over the mesh dimensions where it is replicated
+        (see `grad_sync_steps`)."""
+        return sum(t for *_, t in self.grad_sync_steps(node, storage, zero))
+
+    def grad_sync_steps(self, node: SNode, storage: Placements, zero: int = 0
+                        ) -> list[tuple[str, int, int, float]]:
+        """(collective, mesh dimension, bytes, seconds) of each collective a step spends on
+        the gradient: an all-reduce over each mesh dimension where the parameter is
+        replicated; under ZeRO (`zero`, passes/zero.py) a reduce-scatter of the gradient (one
+        per microbatch for ZeRO-2) and an all-gather of the stepped shards instead.
 
         Gradients are synchronized in buckets of `bucket_bytes`, so a parameter pays the
-        bandwidth term in full and its share of one bucket's latency.
-        """
-        return sum(t for _, _, t in self.grad_sync_steps(node, storage))
-
-    def grad_sync_steps(self, node: SNode, storage: Placements) -> list[tuple[int, int, float]]:
-        """(mesh dimension, bytes, seconds) of each all-reduce of the gradient's share.
-
-        A bucket's latency is shared by its gradients by size: a parameter pays
-        bytes / bucket_bytes of it, or (a model smaller than one bucket: one all-reduce for
-        all) its share of all parameters, when the cost model knows the graph."""
+        bandwidth term in full and its share of one bucket's latency: bytes / bucket_bytes of
+        it, or (a model smaller than one bucket: one collective for all) its share of all
+        parameters, when the cost model knows the graph."""
         if not node.requires_grad:  # frozen: no gradient to synchronize
             return []
         nbytes = self.nbytes(local_shape(node.out_shapes[0], storage, self.shape),
                              node.out_dtypes[0])
         share = self._bucket_share(self.graph, node, nbytes)
-        return [(k, nbytes, self.collective_time("all_reduce", k, nbytes, share))
+        if zero:
+            k = zero_shard(node.out_shapes[0], storage, self.shape).mesh_dim
+            scatters = self.accumulation if zero >= 2 else 1
+            return [("reduce_scatter", k, nbytes,
+                     scatters * self.collective_time("reduce_scatter", k, nbytes, share)),
+                    ("all_gather", k, nbytes, self.collective_time("all_gather", k, nbytes, share))]
+        return [("all_reduce", k, nbytes, self.collective_time("all_reduce", k, nbytes, share))
                 for k, p in enumerate(storage) if isinstance(p, Replicate) and self.shape[k] > 1]
 
     def _bucket_share(self, graph: StrategyGraph | None, node: SNode, nbytes: float) -> float:
@@ -348,13 +360,15 @@ class CostModel:
             share = max(share, _graph_facts(graph).param_share[node.name])
         return min(1.0, share)
 
-    def param_memory_split(self, node: SNode, storage: Placements) -> dict[str, float]:
-        """Bytes per device of a parameter, its gradient and its optimizer state."""
-        return mem.parameter_bytes(self, node, storage)
+    def param_memory_split(self, node: SNode, storage: Placements,
+                           zero: int = 0) -> dict[str, float]:
+        """Bytes per device of a parameter, its gradient and its optimizer state (stored at
+        `storage`, at ZeRO stage `zero`)."""
+        return mem.parameter_bytes(self, node, storage, zero)
 
-    def param_memory(self, node: SNode, storage: Placements) -> float:
+    def param_memory(self, node: SNode, storage: Placements, zero: int = 0) -> float:
         """Bytes per device of a parameter, its gradient and its optimizer state."""
-        return sum(self.param_memory_split(node, storage).values())
+        return sum(self.param_memory_split(node, storage, zero).values())
 
     def activation_memory(self, node: SNode, strategy: Strategy) -> float:
         """Bytes per device autograd keeps for backward on account of this node's strategy: its
@@ -373,13 +387,13 @@ class CostModel:
     def node_time(self, node: SNode, strategy: Strategy) -> float:
         """Compute plus (for parameters) gradient synchronization."""
         if node.kind == PARAM:
-            return self.grad_sync_time(node, strategy.output)
+            return self.grad_sync_time(node, strategy.output, strategy.zero)
         return self.compute_time(node, strategy)
 
     def node_memory(self, node: SNode, strategy: Strategy) -> float:
         """Bytes per device of `node` under `strategy`: the ILP's memory coefficient."""
         if node.kind == PARAM:
-            return self.param_memory(node, strategy.output)
+            return self.param_memory(node, strategy.output, strategy.zero)
         return self.activation_memory(node, strategy)
 
     def edge_time(self, graph: StrategyGraph, consumer: SNode, slot: int,

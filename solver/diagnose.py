@@ -73,7 +73,7 @@ def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
                 for slot, (u, idx) in enumerate(v.inputs))
             what = f"{v.name} ({v.op})"
         elif v.kind == PARAM:
-            b = cost.param_memory_split(v, s.output)[dominant]
+            b = cost.param_memory_split(v, s.output, s.zero)[dominant]
             what = v.param_name or v.name
         else:
             continue

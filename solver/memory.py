@@ -50,6 +50,7 @@ from autopar.passes.rules.registry import (
     SAVES_OUTPUT,
 )
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, SNode, Strategy, StrategyGraph
+from autopar.passes.zero import zero_shard
 
 from .flops import facts, is_view
 from .specs import optimizer_spec, precision_spec
@@ -72,7 +73,7 @@ class Prices(Protocol):
     def nbytes(self, shape, dtype: torch.dtype) -> int: ...
     def local_shapes(self, node: SNode, strategy: Strategy) -> tuple[list, list]: ...
     def reshard_steps(self, shape, src, dst) -> list: ...
-    def param_memory_split(self, node: SNode, storage) -> dict[str, float]: ...
+    def param_memory_split(self, node: SNode, storage, zero: int = 0) -> dict[str, float]: ...
     def activation_memory(self, node: SNode, strategy: Strategy) -> float: ...
     def edge_memory(self, graph: StrategyGraph, consumer: SNode, slot: int, src, dst
                     ) -> float: ...
@@ -372,10 +373,12 @@ def _cast_for_compute(cost: Prices, node: SNode, dtype: torch.dtype) -> bool:
         dtype.is_floating_point
 
 
-def parameter_bytes(cost: Prices, node: SNode, storage) -> dict[str, float]:
+def parameter_bytes(cost: Prices, node: SNode, storage, zero: int = 0) -> dict[str, float]:
     """Bytes per device of one parameter stored at `storage`, as the runtime keeps it: the
     parameter and its gradient, the optimizer's states and scalars; a frozen parameter
-    (requires_grad=False) only itself (in the compute dtype).
+    (requires_grad=False) only itself (in the compute dtype). Under ZeRO (`zero`, see
+    passes/zero.py) the optimizer's states (and from stage 2 the gradient) are this rank's
+    shard of them; ZeRO-1's gradient is whole, as it accumulates over the step.
 
     Under mixed precision (FSDP2's MixedPrecisionPolicy(param_dtype=compute,
     reduce_dtype=master)) the stored parameter is the master copy (float32, what the optimizer
@@ -383,6 +386,10 @@ def parameter_bytes(cost: Prices, node: SNode, storage) -> dict[str, float]:
     `edge_saved_bytes`); the gradient is in the master dtype (reduced in it), and so is the
     optimizer's state."""
     local = math.prod(local_shape(node.out_shapes[0], storage, cost.shape))
+    shard = local
+    if zero:
+        shard = local // cost.shape[zero_shard(node.out_shapes[0], storage, cost.shape).mesh_dim]
+    grad = shard if zero >= 2 else local
     dtype = node.out_dtypes[0]
     compute = cost.dtype(dtype)
     if not node.requires_grad:  # frozen (fine-tuning): stored, never stepped
@@ -392,11 +399,11 @@ def parameter_bytes(cost: Prices, node: SNode, storage) -> dict[str, float]:
     opt = cost.optimizer
     if master is None:
         size = compute.itemsize
-        return {"parameters": float(local * size), "gradients": float(local * size),
-                "optimizer": float(local * size * opt.states + opt.scalar_bytes)}
+        return {"parameters": float(local * size), "gradients": float(grad * size),
+                "optimizer": float(shard * size * opt.states + opt.scalar_bytes)}
     return {"parameters": float(local * master.itemsize),
-            "gradients": float(local * master.itemsize),
-            "optimizer": float(local * master.itemsize * opt.states + opt.scalar_bytes)}
+            "gradients": float(grad * master.itemsize),
+            "optimizer": float(shard * master.itemsize * opt.states + opt.scalar_bytes)}
 
 
 def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
@@ -407,7 +414,7 @@ def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
     for v in graph.nodes.values():
         s = choice[v.name]
         if v.kind == PARAM:
-            for k, b in cost.param_memory_split(v, s.output).items():
+            for k, b in cost.param_memory_split(v, s.output, s.zero).items():
                 out[k] += b
         act = cost.activation_memory(v, s) + sum(
             cost.edge_memory(graph, v, slot, choice[u].out(idx), s.inputs[slot])

@@ -460,8 +460,8 @@ def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> P
     for v in sub.nodes.values():
         s = choice[v.name]
         if v.kind == PARAM:
-            out.grad_sync += cost.grad_sync_time(v, s.output)
-            for key, b in cost.param_memory_split(v, s.output).items():
+            out.grad_sync += cost.grad_sync_time(v, s.output, s.zero)
+            for key, b in cost.param_memory_split(v, s.output, s.zero).items():
                 out.memory[key] = out.memory.get(key, 0.0) + b
             continue
         if v.kind == INPUT:
