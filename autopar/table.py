@@ -270,6 +270,11 @@ def footer(plan) -> list[str]:
         n = len(plan.resharded)
         lines.append(f"reshard after forward: {n} FSDP parameter{'s' * (n != 1)} freed after "
                      "forward, gathered again for backward; the others stay gathered")
+    for stage in sorted(set(plan.zero.values())):
+        n = sum(1 for v in plan.zero.values() if v == stage)
+        what = "optimizer state" if stage == 1 else "optimizer state and gradients"
+        lines.append(f"ZeRO-{stage}: {n} replicated parameter{'s' * (n != 1)} with {what} "
+                     "sharded over the data-parallel ranks (stepped shards all-gathered)")
     if plan.accumulation > 1:
         lines.append(f"gradient accumulation: {plan.accumulation} microbatches a step, "
                      "gradients synchronized once (the graph above is one microbatch)")

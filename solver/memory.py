@@ -68,6 +68,7 @@ class Prices(Protocol):
     optimizer: Any
     recompute: Recompute
     region_uses: Counter   # see region_input_uses
+    accumulation: int      # microbatches a step accumulates gradients over
 
     def dtype(self, dtype: torch.dtype) -> torch.dtype: ...
     def nbytes(self, shape, dtype: torch.dtype) -> int: ...
@@ -378,7 +379,7 @@ def parameter_bytes(cost: Prices, node: SNode, storage, zero: int = 0) -> dict[s
     parameter and its gradient, the optimizer's states and scalars; a frozen parameter
     (requires_grad=False) only itself (in the compute dtype). Under ZeRO (`zero`, see
     passes/zero.py) the optimizer's states (and from stage 2 the gradient) are this rank's
-    shard of them; ZeRO-1's gradient is whole, as it accumulates over the step.
+    shard of them; ZeRO-1's gradient is whole when a step accumulates several microbatches.
 
     Under mixed precision (FSDP2's MixedPrecisionPolicy(param_dtype=compute,
     reduce_dtype=master)) the stored parameter is the master copy (float32, what the optimizer
@@ -389,7 +390,9 @@ def parameter_bytes(cost: Prices, node: SNode, storage, zero: int = 0) -> dict[s
     shard = local
     if zero:
         shard = local // cost.shape[zero_shard(node.out_shapes[0], storage, cost.shape).mesh_dim]
-    grad = shard if zero >= 2 else local
+    # ZeRO-1 accumulates the whole gradient over a step's microbatches; with one it frees each
+    # bucket's once reduce-scattered, as ZeRO-2 does
+    grad = shard if zero >= 2 or (zero == 1 and cost.accumulation == 1) else local
     dtype = node.out_dtypes[0]
     compute = cost.dtype(dtype)
     if not node.requires_grad:  # frozen (fine-tuning): stored, never stepped

@@ -222,3 +222,36 @@ def op_times(name, mesh_shapes: list, profile: dict, min_time: float = 0.002) ->
         profiler.measure(graph, CostModel(autopar.MeshSpec(tuple(shape), hardware=hw),
                                           graph=graph))
     return profiler.times
+
+
+def storage_bytes(name, mesh_shape, force, options: dict | None = None) -> dict:
+    """The bytes this rank holds of parameters (the storages its parameters live in, once
+    each: a ZeRO shard lives in its whole copy), of gradients (what the parameters carry once
+    a step has synchronized them) and of AdamW's state (after its first step), measured from
+    the tensors themselves, with the plan's prediction and the model's parameter count."""
+    model, loss_fn, (x, y) = build_named(name)
+    count = sum(p.numel() for p in model.parameters())
+    tensors = len(list(model.parameters()))
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
+                             example_inputs=(x, y), force=force, microbatches=1,
+                             **(options or {}))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    storages = {}
+    for p in pm.parameters():
+        s = local(p.detach()).untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+    pm.step(x, y)
+    grads = sum(local(p.grad).numel() * p.grad.element_size() for p in pm.parameters()
+                if p.grad is not None)
+    opt.step()
+    state = sum(local(t).numel() * t.element_size() for st in opt.state.values()
+                for t in st.values() if isinstance(t, torch.Tensor))
+    return {"measured": {"parameters": sum(storages.values()), "gradients": grads,
+                         "optimizer": state},
+            "predicted": {k: pm.plan.cost.memory[k]
+                          for k in ("parameters", "gradients", "optimizer")},
+            "zero": dict(pm.plan.zero), "params": count, "tensors": tensors}

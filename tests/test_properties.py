@@ -10,7 +10,9 @@ float64.
 The rewritten program on real gloo ranks must match the single-device model: loss, gradients,
 parameters after 2 AdamW steps and the forward output (float64: to 1e-6, with the dropout masks
 drawn from the same seed). (bf16-mixed is not run on random plans yet: see the test.)
-FSDP-gathered parameters are freed after forward or kept gathered, drawn per parameter. On
+FSDP-gathered parameters are freed after forward or kept gathered, drawn per parameter, and
+parameters stored replicated may be drawn as ZeRO-1 or ZeRO-2 (optimizer state, and gradients,
+sharded over their data-parallel ranks). On
 failure hypothesis shrinks to a small model and the failing plan is printed.
 
 CI runs the derandomized "ci" profile; `--hypothesis-profile=soak` runs many more examples.
@@ -83,5 +85,6 @@ def test_random_plan_matches_single_device(world2, world4, spec, mesh, seed, rec
     event(f"recompute {plan.recompute.mode}")
     event(f"dropout {spec[1].get('dropout', 0.0) > 0}")
     event(f"freed after forward {bool(plan.resharded)}")
+    event(f"ZeRO stages {sorted(set(plan.zero.values()))}")
     world = world2 if math.prod(mesh) == 2 else world4
     world.run(rank_tasks.train_equivalence, spec, mesh, None, 2, plan.to_dict())
