@@ -43,10 +43,10 @@ from autopar.passes.zero import zero_shard
 from autopar.runtime.collectives import MeshComm
 from autopar.runtime.control import Control, RankError, agreed, content_hash, signature
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.zero import ZeroSync
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.params import ParameterStore, local_block, skeleton_child
 from autopar.runtime.pipeline import PipelineModule, SubmeshComm, stage_parameters
+from autopar.runtime.zero import ZeroSync
 from autopar.solver.specs import compute_dtype
 from autopar.solver.stages import StageError
 

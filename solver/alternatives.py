@@ -118,6 +118,8 @@ def _ruled_out(v: SNode, k: int, priced: dict | None, mine: dict, forced, discou
 
 def _placements(v: SNode, s: Strategy) -> dict:
     out = fmt(s.output) if not v.multi_output else [fmt(o) for o in s.output]
+    if s.zero:  # a parameter stored at `output` with sharded optimizer state (passes/zero.py)
+        out += f" ZeRO-{s.zero}"
     return {"inputs": [fmt(p) for p in s.inputs], "output": out}
 
 
