@@ -7,7 +7,9 @@ default) it times a training step (forward, backward, AdamW) of
   - torch DistributedDataParallel        vs autopar forced "data"
   - FSDP2 (fully_shard per block + root, reshard_after_forward=True)  vs autopar forced "fsdp"
     with reshard_after_forward=True
-  - FSDP2 with reshard_after_forward=False  vs autopar forced "fsdp", reshard_after_forward=False
+  - FSDP2 with reshard_after_forward=False  vs autopar forced "fsdp", reshard_after_forward=False,
+    and vs autopar forced "zero2" (ZeRO-2: parameters whole, optimizer state and gradients
+    sharded)
   - DTensor tensor parallel (Colwise qkv/fc, Rowwise proj, each rank its heads)  vs autopar
     forced "tensor"
   - autopar's own plan                    vs the best baseline
@@ -47,10 +49,14 @@ def _local(t) -> torch.Tensor:
 
 
 def state_bytes(params, opt) -> int:
-    """Bytes of parameters, gradients and optimizer state this rank holds."""
-    total = 0
+    """Bytes of parameters (the storages they live in, once each: a ZeRO shard lives in its
+    whole copy), gradients and optimizer state this rank holds."""
+    storages = {}
     for p in params:
-        total += _local(p).numel() * p.element_size()
+        s = _local(p.detach()).untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+    total = sum(storages.values())
+    for p in params:
         if p.grad is not None:
             total += _local(p.grad).numel() * p.element_size()
     for st in opt.state.values():
@@ -132,6 +138,7 @@ def setups(model, mesh, x, y, calibrated=None):
            "autopar fsdp": autopar_with("fsdp", reshard_after_forward=True),
            "FSDP2 kept": fsdp2(False),
            "autopar fsdp kept": autopar_with("fsdp", reshard_after_forward=False),
+           "autopar zero2": autopar_with("zero2"),
            "DTensor TP": dtensor_tp,
            "autopar tensor": autopar_with("tensor"), "autopar solver": autopar_with(None)}
     if calibrated is not None:
@@ -232,7 +239,8 @@ def main() -> None:
           "| baseline step peak MiB | autopar step peak MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for base, ours in (("DDP", "autopar data"), ("FSDP2", "autopar fsdp"),
-                       ("FSDP2 kept", "autopar fsdp kept"), ("DTensor TP", "autopar tensor")):
+                       ("FSDP2 kept", "autopar fsdp kept"), ("FSDP2 kept", "autopar zero2"),
+                       ("DTensor TP", "autopar tensor")):
         if base not in res or ours not in res:
             continue
         (tb, mb, pb), (to, mo, po) = res[base], res[ours]

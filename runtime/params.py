@@ -130,7 +130,8 @@ class ParameterStore:
         if z is None:
             return self.whole(name, leaf.grad if leaf.grad is not None
                               else torch.zeros_like(leaf))
-        g = z.grad if z.grad is not None else torch.zeros_like(z.view)
+        g = self.params[name].grad  # what the user's optimizer sees (None after zero_grad)
+        g = g.to_local() if g is not None else torch.zeros_like(z.view)
         return DTensor.from_local(g, self.mesh, z.shard.placements, run_check=False).full_tensor()
 
     def register(self, root: nn.Module) -> None:

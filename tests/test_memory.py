@@ -78,6 +78,16 @@ def test_plans_price_the_standard_setups(precision, optimizer, per_param):
         assert sum(held.values()) == pytest.approx(
             per_param * psi / (1 if replicated else n) + scalars)
         assert plan.cost.precision == precision and plan.cost.optimizer == optimizer
+    if precision != "fp32":
+        return
+    # ZeRO-1 holds whole gradients when it accumulates microbatches (with one it frees each
+    # once reduce-scattered, as ZeRO-2)
+    for force, micro in (("zero1", 2), ("zero2", 1)):
+        plan = autopar.plan(model, autopar.MeshSpec((n,), hardware="cpu"), example,
+                            loss_fn=lm_loss, force=force, precision=precision,
+                            optimizer=optimizer, microbatches=micro)
+        held = {k: v for k, v in plan.cost.memory.items() if k != "activations"}
+        assert held == pytest.approx(zero_memory(psi, n, force, precision, optimizer, tensors))
 
 
 def test_mixed_precision_halves_activations_and_traffic():
