@@ -224,11 +224,17 @@ def _fit(line: str) -> str:
     return _cut(line, WIDTH)
 
 
+def storage_label(plan, name: str) -> str:
+    """Parameter `name`'s storage placement, with its ZeRO stage when it has one."""
+    stage = plan.zero.get(name)
+    return fmt(plan.parameters[name]) + (f" ZeRO-{stage}" if stage else "")
+
+
 def parameter_lines(plan, groups: int = 4) -> list[str]:
     """Parameters by storage placement: count, and the first names of each."""
     by: dict[str, list[str]] = {}
-    for name, p in plan.parameters.items():
-        by.setdefault(fmt(p), []).append(name)
+    for name in plan.parameters:
+        by.setdefault(storage_label(plan, name), []).append(name)
     lines = [f"parameters (storage placement): {len(plan.parameters)} tensors"]
     ranked = sorted(by.items(), key=lambda kv: -len(kv[1]))
     for p, ns in ranked[:groups]:
@@ -321,8 +327,8 @@ def ops(plan) -> str:
     lines.append("")
     lines.append("parameters (storage placement):")
     groups: dict[str, list[str]] = {}
-    for name, p in plan.parameters.items():
-        groups.setdefault(fmt(p), []).append(name)
+    for name in plan.parameters:
+        groups.setdefault(storage_label(plan, name), []).append(name)
     for p, ns in groups.items():
         shown = ", ".join(ns[:4]) + (f", ... ({len(ns)} in all)" if len(ns) > 4 else "")
         lines.append(f"  {p}: {shown}")
