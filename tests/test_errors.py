@@ -160,6 +160,8 @@ def test_force_on_a_pipelined_mesh_keys_the_whole_mesh():
     spec = autopar.MeshSpec((2, 2), names=("pp", "dp"), hardware="cpu")
     with pytest.raises(ValueError, match="pipeline dimension 0 \\('pp'\\)"):
         autopar.plan(model, spec, example, loss_fn=F.cross_entropy, force={0: "data"})
+    with pytest.raises(ValueError, match="zero2 on a pipelined mesh"):
+        autopar.plan(model, spec, example, loss_fn=F.cross_entropy, force={"dp": "zero2"})
 
 
 # -- the loss --------------------------------------------------------------------------------
