@@ -41,7 +41,7 @@ def test_ranks_that_built_different_models_train_rank0s(world2, force):
     world2.run(loop_tasks.ranks_build_different_models, (2,), force)
 
 
-@pytest.mark.parametrize("force", [None, "fsdp"], ids=lambda f: f or "solver")
+@pytest.mark.parametrize("force", [None, "fsdp", "zero2"], ids=lambda f: f or "solver")
 def test_new_batch_size_is_planned_again(world2, force):
     built = world2.run(loop_tasks.new_batch_replans, "gpt", (2,), force)[0]
     assert built == 2  # the first shape's program is reused when it comes back
