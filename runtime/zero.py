@@ -67,11 +67,13 @@ def gather_stepped(entries: list[tuple[torch.Tensor, torch.Tensor, ZeroParam]], 
                 z.version = param_of[id(z)]._version
 
 
+IN_FLIGHT = 2  # reduce-scatters launched and not yet waited for, at most (their buffers live)
+
+
 class _Bucket:
     def __init__(self, mesh_dim: int, stage: int, entries: list[tuple[torch.Tensor, ZeroParam]]):
         self.mesh_dim, self.stage, self.entries = mesh_dim, stage, entries
         self.ready = 0
-        self.pending: list[tuple] = []  # (work, out, src, which entries had a gradient)
 
 
 class ZeroSync:
@@ -92,6 +94,8 @@ class ZeroSync:
             for ps in param_buckets(leaves, bucket_bytes):
                 self.buckets.append(_Bucket(k, stage, [of[id(p)] for p in ps]))
         self._holding = False
+        # launched reduce-scatters, oldest first: (bucket, work, out, src, which had a gradient)
+        self._in_flight: list[tuple] = []
         self._hooks = [leaf.register_post_accumulate_grad_hook(lambda _, b=b: self._on_grad(b))
                        for b in self.buckets for leaf, _ in b.entries]
 
@@ -109,27 +113,20 @@ class ZeroSync:
 
     def microbatch_done(self) -> None:
         """After a backward that is not the step's last: ZeRO-2 buckets some of whose
-        parameters got no gradient are launched now (the rest launched during backward)."""
+        parameters got no gradient are launched now (the rest launched during backward), and
+        every reduce-scatter in flight lands in the shards."""
         for b in self.buckets:
             if b.stage >= 2 and b.ready:
                 self._launch(b)
+        self._land(0)
 
     def finish(self) -> None:
-        """After the last backward: launch what is left, wait, and add each reduced shard to
-        its parameter's shard gradient (a collective: all ranks call it)."""
+        """After the last backward: launch what is left (what never became complete, or, for
+        ZeRO-1, was held), wait, and add each reduced shard to its parameter's shard gradient
+        (a collective: all ranks call it)."""
         for b in self.buckets:
-            self._launch(b)  # what never became complete (or, for ZeRO-1, was held)
-        for b in self.buckets:
-            for work, out, _, had in b.pending:
-                work.wait()
-                offset = 0
-                for (leaf, z), got in zip(b.entries, had):
-                    size = z.view.numel()
-                    if got:
-                        g = out[offset:offset + size].view(z.view.shape).to(leaf.dtype)
-                        z.grad = g if z.grad is None else z.grad.add_(g)
-                    offset += size
-            b.pending = []
+            self._launch(b)
+        self._land(0)
 
     def _on_grad(self, b: _Bucket) -> None:
         if self._holding and b.stage < 2:
@@ -140,7 +137,8 @@ class ZeroSync:
 
     def _launch(self, b: _Bucket) -> None:
         """Copy the bucket's whole gradients into one rank-major buffer, free them, and
-        launch its reduce-scatter."""
+        launch its reduce-scatter; at most IN_FLIGHT stay unwaited (ZeRO-2 holds no more
+        whole gradients than those)."""
         b.ready = 0
         had = [leaf.grad is not None for leaf, _ in b.entries]
         if not any(had):
@@ -154,4 +152,19 @@ class ZeroSync:
         out = torch.empty(src.shape[1], dtype=src.dtype, device=src.device)
         work = torch_compat.reduce_scatter_single(out, src.view(-1),
                                                   group=self.groups[b.mesh_dim], async_op=True)
-        b.pending.append((work, out, src, had))
+        self._in_flight.append((b, work, out, src, had))
+        self._land(IN_FLIGHT)
+
+    def _land(self, keep: int) -> None:
+        """Wait for the oldest reduce-scatters until `keep` are in flight, adding each
+        reduced shard to its parameter's shard gradient."""
+        while len(self._in_flight) > keep:
+            b, work, out, _, had = self._in_flight.pop(0)
+            work.wait()
+            offset = 0
+            for (leaf, z), got in zip(b.entries, had):
+                size = z.view.numel()
+                if got:
+                    g = out[offset:offset + size].view(z.view.shape).to(leaf.dtype)
+                    z.grad = g if z.grad is None else z.grad.add_(g)
+                offset += size
