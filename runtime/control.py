@@ -75,11 +75,24 @@ def content_hash(t: torch.Tensor) -> int:
     return signature(int(total.item()), tuple(t.shape), str(t.dtype))
 
 
+_GROUP: list = []  # (the world group it was made in, the gloo group for agreements)
+
+
+def control_group():
+    """The gloo group agreements run on: one per process and world (every parallelized model
+    shares it; a new group would start threads of its own on every rank, for every model)."""
+    world = dist.group.WORLD
+    if not _GROUP or _GROUP[0] is not world:
+        _GROUP[:] = [world, dist.new_group(backend="gloo")]
+    return _GROUP[1]
+
+
 class Control:
-    """Agreements over every rank of the world, on a gloo group made for them."""
+    """Agreements over every rank of the world, on a gloo group made for them (shared by every
+    Control of the process: agreements are collectives every rank runs in the same order)."""
 
     def __init__(self):
-        self.group = dist.new_group(backend="gloo")
+        self.group = control_group()
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self._prefix = f"autopar/failure/{next(_instances)}/"

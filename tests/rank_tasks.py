@@ -343,10 +343,14 @@ class MixedReference:
                 c.copy_(m)
         self.compute.zero_grad()
         xs = x.to(torch.bfloat16) if x.is_floating_point() else x
-        out = self.compute(xs).float()
+        out = torch.utils._pytree.tree_map(
+            lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+            self.compute(xs))
         loss = loss_fn(out, y)
         loss.backward()
         for c, m in zip(self.compute.parameters(), self.master.parameters()):
+            if c.grad is None:  # used under no_grad only: none, as on any device
+                continue
             g = c.grad.float()
             m.grad = g if m.grad is None else m.grad + g
         return loss.detach()
