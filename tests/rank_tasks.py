@@ -370,7 +370,10 @@ def mixed_precision_errors(name, mesh_shape: tuple, force=None, steps: int = 2,
     The same three measures of MixedReference against float32 training come back as
     "<measure>_floor": the rounding error bfloat16 itself makes on this model, which an
     ill-conditioned model (a gradient that is a small difference of large terms) makes large
-    for any order of computing it."""
+    for any order of computing it. "gradient_global" and "update_global" (and their floors)
+    divide each tensor's largest difference by the largest reference value over all tensors
+    instead of its own: a tensor whose true gradient is zero (an attention key bias) gets
+    rounding noise of the size of the terms that cancel, not of its own (zero) size."""
     model, loss_fn, (x, y) = build(name)
     ref = MixedReference(copy.deepcopy(model))
     exact = copy.deepcopy(model)
@@ -385,7 +388,15 @@ def mixed_precision_errors(name, mesh_shape: tuple, force=None, steps: int = 2,
     opts = [torch.optim.SGD(m, lr=0.1) for m in (pm.parameters(), ref.master.parameters(),
                                                   exact.parameters())]
     errors = dict.fromkeys(("loss", "gradient", "update", "loss_floor", "gradient_floor",
-                            "update_floor"), 0.0)
+                            "update_floor", "gradient_global", "gradient_global_floor",
+                            "update_global", "update_global_floor"), 0.0)
+
+    def globally(key: str, got: dict, want: dict, exact: dict) -> None:
+        diff = max(float((got[n] - want[n]).abs().max()) for n in want)
+        floor = max(float((want[n] - exact[n]).abs().max()) for n in want)
+        scale = max(float(want[n].abs().max()) for n in want)
+        errors[key] = diff / max(scale, 1e-12)
+        errors[key + "_floor"] = floor / max(scale, 1e-12)
 
     def worse(key: str, value: float) -> None:
         errors[key] = max(errors[key], value)
@@ -406,6 +417,12 @@ def mixed_precision_errors(name, mesh_shape: tuple, force=None, steps: int = 2,
             for n, p in ref.master.named_parameters():
                 worse("gradient", relative_error(got[n], p.grad))
                 worse("gradient_floor", relative_error(p.grad, exact_grads[n].grad))
+            zero = {n: torch.zeros_like(p) for n, p in ref.master.named_parameters()}
+            want = {n: p.grad if p.grad is not None else zero[n]
+                    for n, p in ref.master.named_parameters()}
+            globally("gradient_global", got, want,
+                     {n: p.grad if p.grad is not None else zero[n]
+                      for n, p in exact_grads.items()})
         for opt in opts:
             opt.step()
     got, exact_params = pm.full_parameters(), dict(exact.named_parameters())
@@ -414,6 +431,10 @@ def mixed_precision_errors(name, mesh_shape: tuple, force=None, steps: int = 2,
         worse("update", relative_error(got[n] - start[n], p.detach() - start[n]))
         worse("update_floor", relative_error(p.detach() - start[n],
                                              exact_params[n].detach() - start[n]))
+    ref_params = dict(ref.master.named_parameters())
+    globally("update_global", {n: got[n] - start[n] for n in ref_params},
+             {n: p.detach() - start[n] for n, p in ref_params.items()},
+             {n: exact_params[n].detach() - start[n] for n in ref_params})
     return errors
 
 

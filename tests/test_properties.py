@@ -92,6 +92,10 @@ def test_random_plan_matches_single_device(world2, world4, spec, mesh, seed, rec
 # one device makes (4 ranks, two steps) give an absolute 2^-5 (BF16_ABS); a model whose own
 # bfloat16 error against float32 training (the "floor", measured on the same model) is large is
 # ill-conditioned, and the extra roundings are amplified alike: 16x that floor (BF16_FACTOR).
+# Gradients and updates are measured against the largest reference value over all tensors: a
+# tensor whose true gradient is zero (an attention key bias) is rounding noise the size of the
+# terms that cancel, which a plan computing it in pieces on several ranks leaves uncancelled
+# (the soak found 1e-4 where one device's bfloat16 cancels to exactly 0).
 # A wrong number (a missing or doubled reduction, a wrong shard) is off by the size of the
 # values themselves, far above both.
 BF16_ABS, BF16_FACTOR = 2.0 ** -5, 16.0
@@ -110,6 +114,6 @@ def test_random_plan_in_bf16_mixed_stays_within_rounding(world2, world4, spec, m
     world = world2 if math.prod(mesh) == 2 else world4
     for errors in world.run(rank_tasks.mixed_precision_errors, spec, mesh, None, 2, None,
                             plan.to_dict()):
-        for key in ("loss", "gradient", "update"):
+        for key in ("loss", "gradient_global", "update_global"):
             limit = max(BF16_ABS, BF16_FACTOR * errors[f"{key}_floor"])
             assert errors[key] <= limit, (key, errors)
