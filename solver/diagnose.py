@@ -41,9 +41,14 @@ def infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
     choice = {n: graph.nodes[n].strategies[k] for n, k in index.items()}
     split = memory_split(graph, cost, choice)
     dominant = _dominant(split)
-    without = peak - split["activations"] - split.get("recomputed", 0.0)
+    # Activations matter when the least parameter state any plan keeps fits: it is a sum of
+    # per-parameter choices, so its minimum is each parameter's least (the smallest peak's own
+    # parameter state may be larger, traded for fewer activations).
+    least = sum(min(cost.node_memory(v, v.strategies[k]) for k in
+                    (forced or {}).get(v.name, range(len(v.strategies))))
+                for v in graph.nodes.values() if v.kind == PARAM)
     return NoFeasiblePlan(explain_infeasible(graph, cost, budget, forced, (peak, index)),
-                          dominant, without < budget)
+                          dominant, least < budget)
 
 
 def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
