@@ -265,13 +265,15 @@ def accumulation_equivalence(mesh_shape, force=None, microbatches=None,
         smallest = []
         for rows in (16, 8):
             graph = strategies.build(trace(model, (x[:rows],), zoo.lm_loss, y[:rows]),
-                                     spec.shape)
+                                     spec.shape, zero=True)  # the planner's candidates
             smallest.append(min_memory(graph, CostModel(spec, graph=graph))[0])
         assert smallest[1] < smallest[0], smallest
         budget = sum(smallest) / 2
+    # the minima above neither recompute nor free gathered parameters: nor may the planner
+    others = {"recompute": "none", "reshard_after_forward": False} if budget_between else {}
     pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=zoo.lm_loss, force=force,
                              microbatches=microbatches, memory_budget=budget,
-                             example_inputs=(x, y))
+                             example_inputs=(x, y), **others)
     check_training(pm, ref, zoo.lm_loss, x, y, 2)
     return max(p.accumulation for p in pm.plans)
 
