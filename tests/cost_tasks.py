@@ -229,16 +229,13 @@ def storage_bytes(name, mesh_shape, force, options: dict | None = None) -> dict:
     each: a ZeRO shard lives in its whole copy), of gradients (what the parameters carry once
     a step has synchronized them) and of AdamW's state (after its first step), measured from
     the tensors themselves, with the plan's prediction and the model's parameter count."""
-    model, loss_fn, (x, y) = build_named(name)
+    model, loss_fn, (x, y) = build(name)
     count = sum(p.numel() for p in model.parameters())
     tensors = len(list(model.parameters()))
     pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
                              example_inputs=(x, y), force=force, microbatches=1,
                              **(options or {}))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
 
     storages = {}
     for p in pm.parameters():
