@@ -100,6 +100,10 @@ class ParameterStore:
                                                  requires_grad=requires_grad[name])
             self.params[name] = p
         self.aliases = {n: list(a) for n, a in aliases.items() if n in self.params}
+        if self.zero:  # what `refresh`, run before every program, checks and gathers over
+            self._zero_entries = [(self.leaves[n], self.params[n], z)
+                                  for n, z in self.zero.items()]
+            self._groups = [mesh.get_group(k) for k in range(mesh.ndim)]
 
     @property
     def distributed(self) -> bool:
@@ -119,9 +123,7 @@ class ParameterStore:
         """Gather the ZeRO shards an optimizer stepped into the whole copies the programs use
         (a collective when any were stepped; call before running a program)."""
         if self.zero:
-            groups = [self.mesh.get_group(k) for k in range(self.mesh.ndim)]
-            gather_stepped([(self.leaves[n], self.params[n], z) for n, z in self.zero.items()],
-                           groups, self.bucket_bytes)
+            gather_stepped(self._zero_entries, self._groups, self.bucket_bytes)
 
     def whole_grad(self, name: str) -> torch.Tensor:
         """The whole gradient of parameter `name`, zeros when it has none (a collective)."""

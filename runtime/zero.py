@@ -50,21 +50,20 @@ def gather_stepped(entries: list[tuple[torch.Tensor, torch.Tensor, ZeroParam]], 
     (an optimizer stepped them) into the whole copies (the leaves): a collective when any
     changed (every rank steps the same parameters, so all ranks agree on which). `entries`:
     (leaf, DTensor parameter, ZeroParam)."""
-    stale = [(leaf, z) for leaf, p, z in entries if p._version != z.version]
-    param_of = {id(z): p for _, p, z in entries}
     by_dim: dict[int, list] = {}
-    for leaf, z in stale:
-        by_dim.setdefault(z.shard.mesh_dim, []).append(leaf)
-    of = {id(leaf): z for leaf, z in stale}
-    for k, leaves in by_dim.items():
-        n = groups[k].size()
-        for bucket in param_buckets(leaves, bucket_bytes):
-            zs = [of[id(leaf)] for leaf in bucket]
-            rows = Gathering([z.view for z in zs], groups[k]).wait()
+    for leaf, p, z in entries:
+        if p._version != z.version:
+            by_dim.setdefault(z.shard.mesh_dim, []).append((leaf, p, z))
+    for k, stale in by_dim.items():
+        of = {id(leaf): (p, z) for leaf, p, z in stale}
+        for bucket in param_buckets([leaf for leaf, _, _ in stale], bucket_bytes):
+            pzs = [of[id(leaf)] for leaf in bucket]
+            rows = Gathering([z.view for _, z in pzs], groups[k]).wait()
             with torch.no_grad():
-                copy_into(rows, bucket, [z.view.shape for z in zs], [z.shard.dim for z in zs], n)
-            for z in zs:
-                z.version = param_of[id(z)]._version
+                copy_into(rows, bucket, [z.view.shape for _, z in pzs],
+                          [z.shard.dim for _, z in pzs], groups[k].size())
+            for p, z in pzs:
+                z.version = p._version
 
 
 IN_FLIGHT = 2  # reduce-scatters launched and not yet waited for, at most (their buffers live)
@@ -107,9 +106,7 @@ class ZeroSync:
 
     def release(self) -> None:
         """Before the last microbatch's backward: ZeRO-1 buckets launch in it."""
-        self._holding = False
-        for b in self.buckets:
-            b.ready = 0
+        self.begin(hold=False)
 
     def microbatch_done(self) -> None:
         """After a backward that is not the step's last: ZeRO-2 buckets some of whose
