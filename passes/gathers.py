@@ -3,25 +3,62 @@
 Shared by the rewrite pass (which emits one all-gather per bucket, one bucket in flight ahead
 of the one in use) and the cost model (which prices the buckets' transient memory), so both
 see the same buckets.
+
+The buckets are fixed by the model, not by the plan, as FSDP2's groups are (one `fully_shard`
+module each): the uses of parameters (an op's input slot fed by a parameter), in program order,
+fall into groups of at most `limit` bytes of whole parameters (`use_groups`); a plan's bucket
+on a mesh dimension is what one group gathers there. So a bucket's bytes are a sum over the
+group's uses of what each gathers, linear in the plan's choices: the ILP bounds the largest
+bucket exactly (solver/ilp.py) instead of guessing which parameters a plan will pack together.
 """
 
 from __future__ import annotations
 
 import math
 
-from autopar.passes.reshard import BUCKET_BYTES, buckets, single_gather
+from autopar.passes.reshard import BUCKET_BYTES, single_gather
 
 from .placement import Placements, local_shape
 from .strategies import PARAM, Strategy, StrategyGraph
 
 # (parameter node, placement it is used at, tensor dimension gathered)
 Use = tuple[str, Placements, int]
+# (consumer node, input slot) fed by a parameter
+Edge = tuple[str, int]
 
 
-def gathered_uses(graph: StrategyGraph, choice: dict[str, Strategy]) -> dict[int, list[Use]]:
+def use_groups(graph: StrategyGraph, limit: float = BUCKET_BYTES) -> dict[Edge, int]:
+    """Every use of a parameter (consumer, slot), in program order, numbered by its group: the
+    uses grouped so that the whole parameters a group uses take at most `limit` bytes (in their
+    traced dtype; a parameter used twice in a group counts once; one larger than `limit` is a
+    group of its own)."""
+    out: dict[Edge, int] = {}
+    group, size, members = -1, 0, set()
+    for v in graph.nodes.values():
+        for slot, (u, _) in enumerate(v.inputs):
+            if graph.nodes[u].kind != PARAM:
+                continue
+            b = 0 if u in members else _whole_bytes(graph, u)
+            if group < 0 or size + b > limit:
+                group, size, members = group + 1, 0, set()
+                b = _whole_bytes(graph, u)
+            members.add(u)
+            size += b
+            out[(v.name, slot)] = group
+    return out
+
+
+def _whole_bytes(graph: StrategyGraph, param: str) -> int:
+    v = graph.nodes[param]
+    return math.prod(v.out_shapes[0]) * v.out_dtypes[0].itemsize
+
+
+def gathered_uses(graph: StrategyGraph, choice: dict[str, Strategy],
+                  groups: dict[Edge, int]) -> dict[int, list[tuple[int, Use]]]:
     """Per mesh dimension, the (parameter, use placement, tensor dim) whose resharding from
-    storage is a single all-gather there, in graph order."""
-    out: dict[int, list[Use]] = {}
+    storage is a single all-gather there, in program order, each with the group (`groups`) of
+    its first use."""
+    out: dict[int, list[tuple[int, Use]]] = {}
     seen = set()
     for v in graph.nodes.values():
         for slot, (u, idx) in enumerate(v.inputs):
@@ -33,7 +70,8 @@ def gathered_uses(graph: StrategyGraph, choice: dict[str, Strategy]) -> dict[int
             seen.add((u, dst))
             step = single_gather(v.in_shapes[slot], choice[u].out(idx), dst, graph.mesh_shape)
             if step is not None:
-                out.setdefault(step.mesh_dim, []).append((u, dst, step.dim))
+                out.setdefault(step.mesh_dim, []).append((groups[(v.name, slot)],
+                                                          (u, dst, step.dim)))
     return out
 
 
@@ -46,7 +84,13 @@ def use_bytes(use: Use, graph: StrategyGraph) -> int:
 
 def gather_buckets(graph: StrategyGraph, choice: dict[str, Strategy],
                    limit: float = BUCKET_BYTES) -> dict[int, list[list[Use]]]:
-    """Per mesh dimension, the gathered uses grouped into buckets of at most `limit` bytes, in
-    order of first use: one all-gather each."""
-    return {k: buckets(uses, lambda use: use_bytes(use, graph), limit)
-            for k, uses in gathered_uses(graph, choice).items()}
+    """Per mesh dimension, the gathered uses in buckets, in order of first use: one all-gather
+    each, holding what one group of `use_groups(graph, limit)` gathers there."""
+    groups = use_groups(graph, limit)
+    out: dict[int, list[list[Use]]] = {}
+    for k, uses in gathered_uses(graph, choice, groups).items():
+        chain: dict[int, list[Use]] = {}
+        for j, use in uses:
+            chain.setdefault(j, []).append(use)
+        out[k] = list(chain.values())
+    return out

@@ -383,6 +383,15 @@ class CostModel:
         return self.activation_factor * mem.edge_saved_bytes(self, graph, consumer, slot,
                                                              tuple(src), tuple(dst))
 
+    def gather_memory(self, graph: StrategyGraph, consumer: SNode, slot: int,
+                      src: Placements, dst: Placements) -> float:
+        """What input `slot` of `consumer` adds to its bucket's FSDP gathers in flight
+        (solver/memory.py `in_flight`, bytes per device) when it is a parameter gathered whole
+        from its storage `src` for its use at `dst`; 0 otherwise. The ILP bounds every
+        bucket's sum of these (solver/ilp.py)."""
+        b = mem.gathered_use_bytes(self, graph, consumer, slot, src, dst)
+        return mem.in_flight(b, consumer.inputs[slot][0] in self.reshard) if b else 0.0
+
     # -- whole nodes ---------------------------------------------------------------------------
     def node_time(self, node: SNode, strategy: Strategy) -> float:
         """Compute plus (for parameters) gradient synchronization."""

@@ -11,14 +11,17 @@ Constraints
   sum_s x[v,s] = 1                                   (every node picks one strategy)
   sum_b y[e,a,b] = sum_{s in S_u: out_e(s) = a} x[u,s]   (transport, producer side)
   sum_a y[e,a,b] = sum_{s in S_v: in_e(s) = b}  x[v,s]   (transport, consumer side)
-  sum_v sum_s m[v,s] x[v,s] + sum_e sum_{a,b} m[e,a,b] y[e,a,b] <= M
+  g >= sum_{e in B} sum_{a,b} g[e,a,b] y[e,a,b]     for each FSDP bucket B (passes/gathers.py)
+  sum_v sum_s m[v,s] x[v,s] + sum_e sum_{a,b} m[e,a,b] y[e,a,b] + g <= M
                                                      (bytes per device; M = memory budget)
 Objective (seconds; scaled to microseconds for the solver)
   min sum_v sum_s t[v,s] x[v,s] + sum_e sum_{a,b} c[e,a,b] y[e,a,b]
 where t is compute (+ gradient synchronization for parameters), c the resharding time of the
 edge (forward and backward), m[v,s] parameter/gradient/optimizer bytes and what autograd
-keeps of v's own outputs, m[e,a,b] what it keeps of the edge's tensor as resharded from a to b
-(solver/memory.py).
+keeps of v's own outputs, m[e,a,b] what it keeps of the edge's tensor as resharded from a to b,
+g[e,a,b] the FSDP gathers in flight when the edge gathers a parameter whole from its storage
+shard, and g the largest bucket's (solver/memory.py; an edge that re-uses a parameter gathered
+for another use in its bucket is counted again: g bounds the plan's from above).
 With x integral the transport constraints force y[e,a,b] = [out_e = a][in_e = b], so y may be
 continuous. An edge whose producer (or consumer) has one placement class costs a constant per
 consumer (producer) strategy and is folded into t. The loss must reach every rank: its node pays
@@ -36,8 +39,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from autopar.passes.cluster import Clustering, identity
+from autopar.passes.gathers import use_groups
 from autopar.passes.placement import Partial, R
-from autopar.passes.strategies import SNode, StrategyGraph
+from autopar.passes.strategies import PARAM, SNode, StrategyGraph
 
 from .cost import INFEASIBLE, CostModel
 
@@ -213,6 +217,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
         solver.Add(sum(row) == 1)
         x[o] = row
     y_terms = []  # (block, (a, b), variable): the memory constraint's edge terms
+    y_of: dict[tuple[int, tuple], object] = {}
     for i, (ou, ov, a_of, b_of, price) in enumerate(problem.edges):
         y = {}
         for (a, b), cst in price.items():
@@ -224,6 +229,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
                 objective.SetCoefficient(var, coefficient * scale)
             y[(a, b)] = var
             y_terms.append((i, (a, b), var))
+            y_of[(i, (a, b))] = var
         rows: dict = defaultdict(list)
         cols: dict = defaultdict(list)
         for (a, b), var in y.items():
@@ -233,11 +239,15 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             solver.Add(sum(rows[a]) == sum(x[ou][k] for k in ks))
         for b, js in _classes(b_of).items():
             solver.Add(sum(cols[b]) == sum(x[ov][j] for j in js))
+    gathered = _largest_bucket(solver, problem.buckets, x, y_of)
+    if by_memory and gathered is not None:
+        objective.SetCoefficient(gathered, scale)
     if memory_budget is not None and not by_memory:
         solver.Add(sum(x[o][k] * m for o, ms in problem.memory.items()
                        for k, m in enumerate(ms) if m)
                    + sum(var * problem.edge_memory[i][ab] for i, ab, var in y_terms
-                         if problem.edge_memory[i].get(ab)) <= memory_budget)
+                         if problem.edge_memory[i].get(ab))
+                   + (gathered if gathered is not None else 0) <= memory_budget)
     objective.SetMinimization()
     if backend != "HIGHS":  # a feasible start (HiGHS ignores hints through this wrapper)
         hint = greedy(graph, cost)
@@ -291,6 +301,33 @@ def silenced_stdout():
         os.close(saved)
 
 
+def _largest_bucket(solver, buckets: list[list[tuple]], x: dict, y_of: dict):
+    """A variable bounded below by every FSDP bucket's gathers in flight (None: no bucket
+    gathers anything in any plan). A bucket is a sum of terms ("x", owner, {strategy: bytes})
+    or ("y", block, {(a, b): bytes}); buckets alike (repeated layers) give one constraint."""
+    seen = set()
+    largest = None
+    for bucket in buckets:
+        coeffs: dict[int, tuple[object, float]] = {}
+        for kind, where, held in bucket:
+            for key, b in held.items():
+                var = x[where][key] if kind == "x" else y_of.get((where, key))
+                if var is None or not b:
+                    continue
+                prev = coeffs.get(id(var), (var, 0.0))[1]
+                coeffs[id(var)] = (var, prev + b)
+        if not coeffs:
+            continue
+        key = tuple(sorted((i, b) for i, (_, b) in coeffs.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        if largest is None:
+            largest = solver.NumVar(0, solver.infinity(), "gathered")
+        solver.Add(largest >= sum(var * b for var, b in coeffs.values()))
+    return largest
+
+
 @dataclass
 class _OwnerProblem:
     node_cost: dict[str, list[float]]         # owner -> seconds per owner strategy
@@ -299,6 +336,9 @@ class _OwnerProblem:
     # strategy, required placement per consumer-owner strategy, price per placement pair)
     edges: list[tuple[str, str, list, list, dict]]
     edge_memory: list[dict]                   # per edge block: bytes per placement pair
+    # per FSDP bucket (passes/gathers.py), its gathers in flight: terms ("x", owner,
+    # {strategy: bytes}) and ("y", edge block, {placement pair: bytes})
+    buckets: list[list[tuple]]
 
 
 def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
@@ -325,16 +365,19 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
             elif node_cost[o][k] != INFEASIBLE:
                 node_cost[o][k] += t[v][j] + (PENALTY if j in penalized else 0.0)
             memory[o][k] += node_memory[tw][j]
-    groups: dict[tuple, list] = {}  # edges between the same twins: [edge, count]
+    groups: dict[tuple, list] = {}  # edges between the same twins: [edge, count, twins' keys]
+    bucket_of = use_groups(graph, cost.bucket_bytes)
     for e in edges(graph):
         key = (c.twin_of(e.producer), e.out_index, c.twin_of(e.consumer), e.slot,
                _recompute_key(cost, e.producer), _recompute_key(cost, e.consumer))
-        if key in groups:
-            groups[key][1] += 1
-        else:
-            groups[key] = [e, 1]
+        if key not in groups:
+            groups[key] = [e, 0, []]
+        groups[key][1] += 1
+        if graph.nodes[e.producer].kind == PARAM:
+            groups[key][2].append(bucket_of[(e.consumer, e.slot)])
+    buckets: dict[int, list[tuple]] = defaultdict(list)
     blocks: list[tuple[str, str, list, list, dict]] = []
-    for e, count in groups.values():
+    for e, count, in_buckets in groups.values():
         u, v = graph.nodes[e.producer], graph.nodes[e.consumer]
         ou, ov = c.owner[u.name], c.owner[v.name]
         a_of = [u.strategies[j].out(e.out_index) for j in c.index[u.name]]
@@ -347,25 +390,47 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
         def kept(a, b, v=v, e=e, count=count):  # bytes autograd keeps of the edge's tensor
             return cost.edge_memory(graph, v, e.slot, a, b) * count
 
+        def held(a, b, v=v, e=e):  # FSDP gathers in flight, one twin's (its bucket's share)
+            return cost.gather_memory(graph, v, e.slot, a, b)
+
+        def bucketed(term, in_buckets=in_buckets):
+            if any(term[2].values()):
+                for j in in_buckets:
+                    buckets[j].append(term)
+
         if ou == ov:  # both ends decided together: a cost per owner strategy
             for k, (a, b) in enumerate(zip(a_of, b_of)):
                 _add(node_cost[ou], k, price(a, b))
                 memory[ou][k] += kept(a, b)
+            if in_buckets:
+                bucketed(("x", ou, {k: held(a, b) for k, (a, b) in enumerate(zip(a_of, b_of))}))
             continue
         a_cls, b_cls = _classes(a_of), _classes(b_of)
         if len(a_cls) == 1 or len(b_cls) == 1:  # one side fixed: a cost per strategy
+            owner = ov if len(a_cls) == 1 else ou
+            gathers = {}
             for a, ks in a_cls.items():
                 for b, js in b_cls.items():
-                    owner, idxs = (ov, js) if len(a_cls) == 1 else (ou, ks)
+                    idxs = js if len(a_cls) == 1 else ks
                     p, m = price(a, b), kept(a, b)
+                    g = held(a, b) if in_buckets else 0.0
                     for k in idxs:
                         _add(node_cost[owner], k, p)
                         memory[owner][k] += m
+                        gathers[k] = g
+            if in_buckets:
+                bucketed(("x", owner, gathers))
             continue
-        blocks.append((ou, ov, a_of, b_of, {(a, b): price(a, b) for a in a_cls for b in b_cls},
-                       {(a, b): kept(a, b) for a in a_cls for b in b_cls}))
-    merged = _merge_blocks(blocks)
-    return _OwnerProblem(node_cost, memory, [b[:5] for b in merged], [b[5] for b in merged])
+        pairs = [(a, b) for a in a_cls for b in b_cls]
+        if in_buckets:
+            bucketed(("y", len(blocks), {ab: held(*ab) for ab in pairs}))
+        blocks.append((ou, ov, a_of, b_of, {ab: price(*ab) for ab in pairs},
+                       {ab: kept(*ab) for ab in pairs}))
+    merged, where = _merge_blocks(blocks)
+    terms = [[(kind, where[at] if kind == "y" else at, held) for kind, at, held in bucket]
+             for _, bucket in sorted(buckets.items())]
+    return _OwnerProblem(node_cost, memory, [b[:5] for b in merged], [b[5] for b in merged],
+                         terms)
 
 
 def _recompute_key(cost: CostModel, v: str) -> tuple:
@@ -384,9 +449,10 @@ def _add(costs: list[float], k: int, p: float) -> None:
     costs[k] = INFEASIBLE if INFEASIBLE in (p, costs[k]) else costs[k] + p
 
 
-def _merge_blocks(blocks: list) -> list:
-    """Edge blocks between the same owners with the same placements become one block."""
-    out, where = [], {}
+def _merge_blocks(blocks: list) -> tuple[list, list[int]]:
+    """Edge blocks between the same owners with the same placements become one block; also
+    the merged block of each given one."""
+    out, where, merged_at = [], {}, []
     for ou, ov, a_of, b_of, price, kept in blocks:
         key = (ou, ov, tuple(a_of), tuple(b_of))
         if key in where:
@@ -397,7 +463,8 @@ def _merge_blocks(blocks: list) -> list:
         else:
             where[key] = len(out)
             out.append((ou, ov, a_of, b_of, dict(price), dict(kept)))
-    return out
+        merged_at.append(where[key])
+    return out, merged_at
 
 
 def _classes(placements) -> dict:

@@ -1,6 +1,7 @@
 """The memory model: bytes per device of a plan, per strategy, so the ILP's constraint is linear.
 
     peak = parameters + gradients + optimizer state + activations kept for backward
+           + FSDP gathers in flight
 
 Parameters, gradients and optimizer state follow each parameter's storage placement: a local
 shard of the parameter and of its gradient (in the compute dtype), the optimizer's states
@@ -39,8 +40,10 @@ from typing import Any, Protocol
 
 import torch
 
+from autopar.passes.gathers import use_groups
 from autopar.passes.placement import local_shape
 from autopar.passes.recompute import Recompute, saved_under_selective
+from autopar.passes.reshard import single_gather
 from autopar.passes.rules.registry import (
     SAVES_DIVISOR,
     SAVES_FIRST,
@@ -56,7 +59,7 @@ from .flops import facts, is_view
 from .specs import optimizer_spec, precision_spec
 
 GiB = 2**30
-KINDS = ("parameters", "gradients", "optimizer", "activations", "recomputed")
+KINDS = ("parameters", "gradients", "optimizer", "activations", "recomputed", "gathered")
 
 
 class Prices(Protocol):
@@ -81,6 +84,9 @@ class Prices(Protocol):
 
     def regathered(self, graph: StrategyGraph, consumer: SNode, slot: int, src, dst
                    ) -> bool: ...
+
+    reshard: frozenset[str]  # parameters whose gathered copies are freed after forward
+    bucket_bytes: float      # FSDP gathers and gradient sync go in buckets of this size
 
 
 def saved_slots(node: SNode, grads: tuple[bool, ...]) -> tuple[int, ...]:
@@ -412,7 +418,9 @@ def parameter_bytes(cost: Prices, node: SNode, storage, zero: int = 0) -> dict[s
 def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
                  ) -> dict[str, float]:
     """Bytes per device of a complete assignment, by kind (KINDS; "recomputed" only when
-    something recomputes); sums to the ILP's memory."""
+    something recomputes, "gathered" only when FSDP gathers parameters); sums to the ILP's
+    memory, but for "gathered": the ILP counts the largest parameter gathered, this its
+    bucket (`gathered_bytes`)."""
     out = dict.fromkeys(KINDS, 0.0)
     for v in graph.nodes.values():
         s = choice[v.name]
@@ -428,9 +436,52 @@ def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
             for slot, (u, idx) in enumerate(v.inputs)])
         out["activations"] += act - again
         out["recomputed"] += again
-    if not out["recomputed"]:  # only plans that recompute have the kind
-        del out["recomputed"]
+    out["gathered"] = gathered_bytes(graph, cost, choice)
+    for kind in ("recomputed", "gathered"):  # only plans that recompute (gather) have them
+        if not out[kind]:
+            del out[kind]
     return out
+
+
+def in_flight(size: float, freed: bool) -> float:
+    """Bytes of FSDP gathers in flight, on top of what autograd keeps, for a bucket of `size`
+    gathered bytes (`freed`: its parameters are freed after forward and gathered again).
+
+    Forward waits for a bucket (its rows and the tensors copied out of them) while the next
+    bucket's all-gather is in flight: the bucket's own tensors are what autograd keeps, so two
+    more. Backward, for a bucket kept gathered, holds its gradients and the buffer they are
+    reduce-scattered from: two. For a bucket freed after forward, backward holds it gathered
+    again, the next one's prefetch, its gradients and their reduce-scatter buffer: four."""
+    return (4 if freed else 2) * size
+
+
+def gathered_use_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slot: int, src,
+                       dst) -> float:
+    """Bytes per device (compute dtype) input `slot` of `consumer` gathers when it is a
+    parameter gathered whole from its storage `src` for its use at `dst` (FSDP); else 0."""
+    u = graph.nodes[consumer.inputs[slot][0]]
+    if u.kind != PARAM or single_gather(consumer.in_shapes[slot], src, dst, cost.shape) is None:
+        return 0.0
+    return float(cost.nbytes(local_shape(u.out_shapes[0], dst, cost.shape), u.out_dtypes[0]))
+
+
+def gathered_bytes(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]) -> float:
+    """Bytes per device of FSDP gathers in flight at the worst bucket (passes/gathers.py
+    `use_groups`: the buckets the rewrite emits), in the compute dtype; 0 when nothing is
+    gathered. Every gathered use counts, as in the ILP's constraint: a parameter used again at
+    the same placement (tied weights), which the runtime gathers once, counts again, so this
+    bounds the runtime's from above."""
+    size: dict[int, float] = {}
+    freed: set[int] = set()
+    for (name, slot), j in use_groups(graph, cost.bucket_bytes).items():
+        v, u = graph.nodes[name], graph.nodes[name].inputs[slot]
+        b = gathered_use_bytes(cost, graph, v, slot, choice[u[0]].out(u[1]),
+                               choice[name].inputs[slot])
+        if b:
+            size[j] = size.get(j, 0.0) + b
+            if u[0] in cost.reshard:
+                freed.add(j)
+    return max((in_flight(b, j in freed) for j, b in size.items()), default=0.0)
 
 
 def plan_memory(graph: StrategyGraph, cost: Prices, choice: dict[str, int]) -> float:

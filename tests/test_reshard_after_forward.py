@@ -111,9 +111,49 @@ def test_measured_memory_follows_the_prediction(world2):
 
 
 def test_bucket_size_is_an_option_the_ranks_agree_on():
-    """The bucket size changes what runs, so it is part of the plan's hash; a bucket of no
-    bytes is an error."""
+    """The bucket size changes what runs, so it is part of the plan's hash, and what is in
+    flight (the plan's "gathered" memory shrinks with it); a bucket of no bytes is an error."""
     big, small = _plan(), _plan(bucket_bytes=4096)
     assert small.hash() != big.hash()
+    assert small.cost.memory["gathered"] < big.cost.memory["gathered"]
     with pytest.raises(ValueError, match="bucket_bytes must be positive"):
         autopar.PlanOptions(bucket_bytes=0)
+
+
+def test_gathers_in_flight_are_priced_per_bucket():
+    """A plan's "gathered" memory is two of its largest bucket of gathered parameters, four
+    when that bucket is freed after forward: an MLP whose layers' weight and bias fill one
+    bucket each (the bucket size between one layer's and two layers' bytes)."""
+    import torch
+    from torch import nn
+
+    widths = (64, 128, 32)
+    model = nn.Sequential(nn.Linear(widths[0], widths[1]), nn.ReLU(),
+                          nn.Linear(widths[1], widths[2]))
+    layer = [(a * b + b) * 4 for a, b in zip(widths, widths[1:])]  # float32 weight + bias
+    example = (torch.randn(16, widths[0]), torch.randn(16, widths[2]))
+    for freed, factor in ((False, 2), (True, 4)):
+        plan = autopar.plan(model, SPEC, example, loss_fn=torch.nn.functional.mse_loss,
+                            force="fsdp", bucket_bytes=max(layer) + 1,
+                            reshard_after_forward=freed)
+        assert plan.cost.memory["gathered"] == factor * max(layer)
+    one = autopar.plan(model, SPEC, example, loss_fn=torch.nn.functional.mse_loss,
+                       force="fsdp", bucket_bytes=sum(layer))
+    assert one.cost.memory["gathered"] == 2 * sum(layer)
+
+
+def test_the_solver_keeps_gathers_in_flight_within_the_budget():
+    """The ILP's memory constraint holds the buckets in flight: under a budget that the FSDP
+    plan's peak fits without them, but not with them, FSDP (forced) no longer fits (an ILP
+    blind to them would keep it), and the free solver's plan fits."""
+    from autopar.solver.ilp import NoFeasiblePlan
+
+    options = {"reshard_after_forward": False, "microbatches": 1, "recompute": "none"}
+    fsdp = _plan(**options)
+    assert _plan(memory_budget=fsdp.cost.peak_memory, **options).hash() == fsdp.hash()
+    budget = fsdp.cost.peak_memory - fsdp.cost.memory["gathered"] / 2
+    with pytest.raises(NoFeasiblePlan):
+        _plan(memory_budget=budget, **options)
+    model, loss_fn, example = build("gpt")
+    plan = autopar.plan(model, SPEC, example, loss_fn=loss_fn, memory_budget=budget, **options)
+    assert plan.cost.peak_memory <= budget
