@@ -173,7 +173,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
                     time_limit=options.time_limit, forced=forced, discouraged=discouraged,
                     clustering=clusters)
     except NoFeasiblePlan:
-        raise infeasible(graph, cost, budget, forced) from None
+        raise infeasible(graph, cost, budget, forced, clusters) from None
     choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
     cost = cost.copy(reshard=resharding.choose(graph, cost, choice, budget,
                                                mode if mode is not None else

@@ -3,12 +3,15 @@
 Called by the planner when the intra-op ILP finds no plan within the memory budget: it solves
 the same ILP for the least memory instead of the least time (solver/ilp.py, minimize="memory"),
 splits that plan's peak by kind (solver/memory.py) and names the largest contributors. That
-ILP is solved without the clustering (passes/cluster.py), so that a clustering which excluded
-every plan is told apart from a budget no plan meets.
+ILP is solved with the planner's clustering (passes/cluster.py: repeated layers decided alike,
+what keeps it small for deep models) and, when its plan fits the budget after all, again
+without, so that a clustering which excluded every plan is told apart from a budget no plan
+meets.
 """
 
 from __future__ import annotations
 
+from autopar.passes.cluster import Clustering
 from autopar.passes.strategies import PARAM, StrategyGraph
 
 from .cost import CostModel
@@ -17,22 +20,29 @@ from .memory import GiB, memory_split, plan_memory
 
 
 def min_memory(graph: StrategyGraph, cost: CostModel, forced: dict[str, list[int]] | None = None,
-               time_limit: float = 30.0) -> tuple[float, dict[str, int]]:
+               time_limit: float = 30.0, clustering: Clustering | None = None
+               ) -> tuple[float, dict[str, int]]:
     """The smallest memory per device over every valid plan (the intra-op ILP with memory as
-    its objective), and one plan that reaches it (strategy index per node)."""
+    its objective; with `clustering`, over the plans that decide its clusters alike), and one
+    plan that reaches it (strategy index per node)."""
     try:
-        sol = solve(graph, cost, forced=forced, time_limit=time_limit, minimize="memory")
+        sol = solve(graph, cost, forced=forced, time_limit=time_limit, minimize="memory",
+                    clustering=clustering)
     except NoFeasiblePlan as e:
         raise RuntimeError(f"the minimum-memory ILP found no plan ({e})") from None
     return plan_memory(graph, cost, sol.choice), sol.choice
 
 
 def infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
-               forced: dict[str, list[int]] | None = None) -> NoFeasiblePlan:
-    """The NoFeasiblePlan error to raise when no plan fits `budget`: its message says why (see
-    `explain_infeasible`), its `dominant` what dominates the smallest peak."""
+               forced: dict[str, list[int]] | None = None,
+               clustering: Clustering | None = None) -> NoFeasiblePlan:
+    """The NoFeasiblePlan error to raise when no plan fits `budget` (found with `clustering`):
+    its message says why (see `explain_infeasible`), its `dominant` what dominates the smallest
+    peak."""
     try:
-        peak, index = min_memory(graph, cost, forced)
+        peak, index = min_memory(graph, cost, forced, clustering=clustering)
+        if peak <= budget and clustering is not None:  # did the clustering exclude them all?
+            peak, index = min_memory(graph, cost, forced)
     except RuntimeError as e:
         return NoFeasiblePlan(f"no plan fits the memory budget of {gib(budget)} per device "
                               f"({e})")
