@@ -1,14 +1,16 @@
-"""Planning time: Llama-3-8B-shaped models (hidden 4096, 32 heads, 8 KV heads, FFN 14336,
-vocab 128256, sequence 4096, batch 8) on the meta device, planned for simulated H100 meshes.
+"""Planning time: Llama-3-shaped models (8B: hidden 4096, 32 heads, 8 KV heads, FFN 14336; 70B:
+hidden 8192, 64 heads, 8 KV heads, FFN 28672; vocabulary 128256, sequence 4096, batch 8) on the
+meta device, planned for simulated H100 meshes.
 
-    python -m benchmarks.planning_time                 # 2, 8, 32 layers on (8,), (2, 4), (8, 8)
-    python -m benchmarks.planning_time --layers 2 --meshes 8x8
+    python -m benchmarks.planning_time                      # 8B 2 and 32 layers, 70B 80, (8, 8)
+    python -m benchmarks.planning_time --rows 8b:32:8x8,70b:80:8x8
 
 Prints a markdown table: seconds to trace, to enumerate strategies, to cluster and build the
-ILP, to solve it, and for the whole `autopar.plan` call (which adds describing the plan), plus
-the planner's peak memory and the ILP's size. Each row runs in a fresh process, so "peak MiB"
-is that process's peak resident set beyond what it held after importing torch, transformers
-and autopar and building the meta-device model.
+ILP and solve it, for the whole `autopar.plan` call without a memory budget, and for the whole
+call under the H100's memory (where the planner searches recomputation and microbatches), with
+what that plan chose, plus the planner's peak memory and the ILP's size. Each row runs in a
+fresh process, so "peak MiB" is that process's peak resident set beyond what it held after
+importing torch, transformers and autopar and building the meta-device model.
 """
 
 from __future__ import annotations
@@ -34,62 +36,78 @@ from autopar.zoo import hf_llama, lm_loss
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+SHAPES = {
+    "8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336),
+    "70b": dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+                intermediate_size=28672),
+}
+
+
+def llama(size: str, layers: int):
+    """Hugging Face Llama at Llama-3 `size` ("8b", "70b") widths with `layers` layers, on the
+    meta device."""
+    with torch.device("meta"):
+        return hf_llama(num_hidden_layers=layers, vocab_size=128256,
+                        max_position_embeddings=8192, **SHAPES[size])
+
+
 def llama8b(layers: int):
     """Hugging Face Llama at Llama-3-8B widths with `layers` layers, on the meta device."""
-    with torch.device("meta"):
-        return hf_llama(num_hidden_layers=layers, hidden_size=4096, num_attention_heads=32,
-                        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                        max_position_embeddings=8192)
+    return llama("8b", layers)
 
 
 def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(layers: int, mesh: tuple[int, ...]) -> dict:
-    model = llama8b(layers)
+def run(size: str, layers: int, mesh: tuple[int, ...]) -> dict:
+    model = llama(size, layers)
     ids = torch.randint(0, 128256, (8, 4096), device="meta")
     spec = autopar.MeshSpec(mesh, hardware="h100")
     before = rss_mib()
     t0 = time.perf_counter()
     program = trace(model, (ids,), lm_loss, ids)
     t1 = time.perf_counter()
-    graph = strategies.build(program, mesh)
+    graph = strategies.build(program, mesh, zero=True)
     t2 = time.perf_counter()
     clusters = cluster(graph, program.graph_module)
-    # planning speed, not feasibility: no memory budget (8 x 4096 tokens of Llama-8B do not fit
-    # 8 devices without pipeline stages)
-    sol = solve(graph, CostModel(spec), clustering=clusters)
+    sol = solve(graph, CostModel(spec, graph=graph), clustering=clusters)
     t3 = time.perf_counter()
     start = time.perf_counter()
-    plan = autopar.plan(model, spec, (ids, ids), loss_fn=lm_loss, memory_budget=float("inf"))
+    free = autopar.plan(model, spec, (ids, ids), loss_fn=lm_loss, memory_budget=float("inf"))
     whole = time.perf_counter() - start
-    return {"layers": layers, "mesh": "x".join(map(str, mesh)), "nodes": len(graph.nodes),
-            "owners": len(clusters.owners()), "vars": sol.num_variables,
-            "trace": t1 - t0, "strategies": t2 - t1, "build+solve": t3 - t2,
-            "solver": sol.solve_time, "plan()": whole, "peak MiB": rss_mib() - before,
-            "step ms": plan.cost.step_time * 1e3}
+    start = time.perf_counter()
+    plan = autopar.plan(model, spec, (ids, ids), loss_fn=lm_loss)
+    budgeted = time.perf_counter() - start
+    return {"model": size, "layers": layers, "mesh": "x".join(map(str, mesh)),
+            "nodes": len(graph.nodes), "owners": len(clusters.owners()),
+            "vars": sol.num_variables, "trace": t1 - t0, "strategies": t2 - t1,
+            "build+solve": t3 - t2, "plan() no budget": whole, "plan() 80 GB": budgeted,
+            "chose": f"{plan.accumulation} microbatch(es), recompute {plan.recompute.mode}, "
+                     f"peak {plan.cost.peak_memory / 2**30:.1f} GiB",
+            "peak MiB": rss_mib() - before, "step ms": free.cost.step_time * 1e3,
+            "folded": program.folded}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", default="2,8,32")
-    ap.add_argument("--meshes", default="8,2x4,8x8")
-    ap.add_argument("--one", action="store_true", help="(internal) one row, printed as JSON")
+    ap.add_argument("--rows", default="8b:2:8x8,8b:32:8x8,70b:80:8x8",
+                    help="model:layers:mesh, comma-separated")
+    ap.add_argument("--one", help="(internal) one row, printed as JSON")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run(int(args.layers), tuple(int(s) for s in args.meshes.split("x")))))
+        size, layers, mesh = args.one.split(":")
+        print(json.dumps(run(size, int(layers), tuple(int(s) for s in mesh.split("x")))))
         return
     rows = []
-    for layers in map(int, args.layers.split(",")):
-        for m in args.meshes.split(","):
-            out = subprocess.run([sys.executable, "-m", "benchmarks.planning_time", "--one",
-                                  "--layers", str(layers), "--meshes", m], cwd=REPO_ROOT,
-                                 capture_output=True, text=True, check=True)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(rows[-1], flush=True)
-    cols = ["layers", "mesh", "nodes", "owners", "vars", "trace", "strategies", "build+solve",
-            "plan()", "peak MiB", "step ms"]
+    for row in args.rows.split(","):
+        out = subprocess.run([sys.executable, "-m", "benchmarks.planning_time", "--one", row],
+                             cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(rows[-1], flush=True)
+    cols = ["model", "layers", "mesh", "nodes", "owners", "vars", "trace", "strategies",
+            "build+solve", "plan() no budget", "plan() 80 GB", "chose", "peak MiB"]
     print("\n| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

@@ -22,6 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 
+from . import fold as layer_fold
 from .side_effects import SideEffectWatch
 from .torch_compat import (
     ASSERTION_OPS,
@@ -73,6 +74,7 @@ class TracedProgram:
     writes: dict[str, str] = field(default_factory=dict)  # node -> graph input it updates
     frozen: set[str] = field(default_factory=set)  # parameter placeholders that do not train
     checkpointed: set[str] = field(default_factory=set)  # ops under torch.utils.checkpoint
+    folded: str = ""  # the stack of identical layers traced once and copied (passes/fold.py)
 
     @property
     def graph(self) -> fx.Graph:
@@ -150,7 +152,7 @@ def output_loss(out, required: bool = True):
 def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=None, *,
           kwargs: dict | None = None, output_loss: bool | str = False,
           device: torch.device | None = None,
-          compute_dtype: torch.dtype | None = None) -> TracedProgram:
+          compute_dtype: torch.dtype | None = None, fold: bool = True) -> TracedProgram:
     """Trace `model(*example_inputs, **kwargs)` and its loss: `loss_fn(output, example_target)`
     when `loss_fn` is given, the loss the model returns when `output_loss` (True: it must
     return one; "auto": when it does).
@@ -162,6 +164,10 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
     With `compute_dtype` (mixed precision) the graph computes in that dtype: its parameters
     are that dtype (the runtime feeds casts of the float32 master weights), floating-point
     inputs are cast to it and outputs back to float32 inside the graph.
+
+    A stack of identical layers (`fold`, passes/fold.py) is exported cut to two layers and
+    the second copied for the others, when a recorded run on fake tensors shows that this
+    gives the graph export would.
 
     Raises TraceError naming the model's source line for data-dependent control flow and
     data-dependent shapes, for inputs that are not tensors, for a loss that is not one scalar
@@ -194,8 +200,11 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
         root = _Step(model, loss_fn, output_loss if loss_fn is None else False, compute_dtype)
         if loss_fn is not None:
             args = (*example_inputs, example_target)
+    watched = "" if root is not model else "model"
+    stack = _fold_stack(root, args, kwargs, mode, watched) if fold else None
+    restore = layer_fold.cut(root, stack) if stack is not None else None
     try:
-        with SideEffectWatch(root, prefix="" if root is not model else "model") as watch, \
+        with SideEffectWatch(root, prefix=watched) as watch, \
                 watch_checkpoints(_refuse_checkpoint):
             ep = torch.export.export(root, args, kwargs, strict=False)
     except TraceError:
@@ -204,6 +213,9 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
         if isinstance(e.__cause__, TraceError):
             raise e.__cause__ from None
         raise TraceError(_explain_export_failure(e)) from e
+    finally:
+        if restore is not None:
+            restore()
     _check_no_side_effects(watch.changes())
     gm = ep.graph_module
     _check_static_shapes(gm)
@@ -241,6 +253,8 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
             inputs.append(name)
         else:
             raise TraceError(f"unsupported graph input {name} of kind {spec.kind.name}")
+    if stack is not None:
+        _unfold(gm, stack, ep, params, buffers, canonical, model, prefix)
     for spec in ep.graph_signature.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:
             raise TraceError(
@@ -265,7 +279,55 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
                          input_writes(gm, set(params)),
                          {ph for ph, name in params.items()
                           if not model.get_parameter(name).requires_grad},
-                         {n.name for n in gm.graph.nodes if checkpointed(n)})
+                         {n.name for n in gm.graph.nodes if checkpointed(n)},
+                         stack.path.removeprefix(prefix) if stack is not None else "")
+
+
+def _fold_stack(root: nn.Module, args, kwargs, mode, prefix: str) -> layer_fold.Stack | None:
+    """The stack of identical layers to trace once (passes/fold.py), when the records of the
+    whole model and of the model cut to two layers say copying gives every layer; else None."""
+    stack = layer_fold.repeated_layers(root)
+    if stack is None:
+        return None
+    with SideEffectWatch(root, prefix=prefix) as watch:  # forward may change state: say so here
+        full = layer_fold.record(root, stack, args, kwargs, mode)
+        restore = layer_fold.cut(root, stack)
+        try:
+            short = layer_fold.record(root, layer_fold.Stack(stack.path, stack.children[:2]),
+                                      args, kwargs, mode)
+        finally:
+            restore()
+    _check_no_side_effects(watch.changes())
+    return stack if layer_fold.foldable(full, short) else None
+
+
+def _unfold(gm: fx.GraphModule, stack, ep, params: dict, buffers: dict, canonical: dict,
+            model: nn.Module, prefix: str) -> None:
+    """Copy layer 1 of the two-layer graph `gm` for the stack's further layers, adding their
+    placeholders to `params` and `buffers` (in the model's parameter order)."""
+    layer1 = stack.layer(1) + "."
+    nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    placeholder_of, kinds = {}, {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and \
+                spec.target.startswith(layer1) and spec.arg.name in nodes:
+            rel = spec.target[len(layer1):]
+            placeholder_of[rel], kinds[rel] = nodes[spec.arg.name], spec.kind
+    added = layer_fold.unfold(gm, stack, placeholder_of)
+    if added is None:
+        raise TraceError("autopar could not copy the repeated layers of the traced model "
+                         f"({stack.path}); trace with fold=False")
+    for i, inputs in added.items():
+        for rel, node in inputs.items():
+            target = f"{stack.layer(i)}.{rel}".removeprefix(prefix)
+            if kinds[rel] == InputKind.PARAMETER:
+                params[node.name] = canonical[id(model.get_parameter(target))]
+            else:
+                buffers[node.name] = target
+    order = {name: k for k, (name, _) in enumerate(model.named_parameters())}
+    ordered = sorted(params.items(), key=lambda kv: order[kv[1]])
+    params.clear()
+    params.update(ordered)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:

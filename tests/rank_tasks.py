@@ -55,6 +55,13 @@ def build(name):
     if name == "gpt":
         model = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
                                       n_embd=32))
+    elif name == "gpt_deep":  # 4 identical blocks: traced once and copied (passes/fold.py)
+        model = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4,
+                                      n_embd=32))
+    elif name == "hf_llama_deep":
+        model = zoo.hf_llama(num_hidden_layers=5, hidden_size=32, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=64, vocab_size=64,
+                             max_position_embeddings=16)
     elif name == "hf_gpt2":
         model = zoo.hf_gpt2(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
     elif name == "hf_gpt2_dropout":  # embedding, residual and attention (SDPA) dropout

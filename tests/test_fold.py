@@ -1,0 +1,163 @@
+"""A stack of identical layers is traced once and copied (passes/fold.py): the graph is the one
+export gives for the whole model, models whose layers differ are traced whole, and folded models
+train exactly as on one device."""
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from autopar import zoo
+from autopar.passes import fold
+from autopar.passes.trace import trace
+from tests import rank_tasks
+
+
+def _signature(program) -> list:
+    """The graph with node names replaced by positions and placeholders by what they hold:
+    equal for equal programs."""
+    names: dict = {}
+    for n in program.graph.nodes:
+        names[n] = ("input", program.params.get(n.name) or program.buffers.get(n.name) or
+                    n.name) if n.op == "placeholder" else len(names)
+    out = []
+    for n in program.graph.nodes:
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: names[a])
+        val = n.meta.get("val")
+        out.append((n.op, names[n] if n.op == "placeholder" else str(n.target), str(args),
+                    tuple(val.shape) if isinstance(val, torch.Tensor) else None,
+                    [p for p, _ in (n.meta.get("nn_module_stack") or {}).values()]))
+    return out
+
+
+def _both(model, example, loss_fn):
+    x, y = example
+    whole = trace(model, (x,), loss_fn, y, fold=False)
+    folded = trace(model, (x,), loss_fn, y)
+    return whole, folded
+
+
+@pytest.mark.parametrize("name", ["gpt_deep", "hf_llama_deep"])
+def test_folded_trace_is_the_whole_trace(name):
+    """Same nodes, arguments, shapes, module paths, parameter names and order, buffers."""
+    model, loss_fn, example = rank_tasks.build(name)
+    whole, folded = _both(model, example, loss_fn)
+    assert _signature(folded) == _signature(whole)
+    assert list(folded.params.values()) == list(whole.params.values())
+    assert folded.buffers == whole.buffers and folded.frozen == whole.frozen
+    assert folded.folded and not whole.folded
+
+
+def test_a_stack_is_found_only_when_its_layers_match():
+    torch.manual_seed(0)
+    deep = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32))
+    stack = fold.repeated_layers(deep)
+    assert stack is not None and stack.path == "h" and len(stack.children) == 4
+    shallow = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=4,
+                                    n_embd=32))
+    assert fold.repeated_layers(shallow) is None  # fewer than MIN_LAYERS
+    widths = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)] + [nn.Linear(8, 4)])
+    assert fold.repeated_layers(nn.Sequential(widths)) is None  # shapes differ
+    shared = nn.Linear(8, 8)
+    once = nn.Sequential(nn.ModuleList([shared] * 4))
+    assert fold.repeated_layers(once) is None  # one layer four times: tied, not copies
+
+
+class _Layer(nn.Module):
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.fc(x)
+        return F.relu(x) if self.index % 3 else torch.tanh(x)  # every third layer differs
+
+
+class _ByIndex(nn.Module):
+    """Layers that branch on their index."""
+
+    def __init__(self, n=6):
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(i) for i in range(n)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self, n=6):
+        super().__init__()
+        self.layers = nn.ModuleList([_Plain() for _ in range(n)])
+
+
+class _AllOutputs(_Stack):
+    """The code after the stack reads every layer, not only the last."""
+
+    def forward(self, x):
+        outs = []
+        for layer in self.layers:
+            x = layer(x)
+            outs.append(x)
+        return sum(outs)
+
+
+class _ByDepth(_Stack):
+    """The code after the stack depends on how many layers there are."""
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x / len(self.layers)
+
+
+class _Between(_Stack):
+    """Code between the layers."""
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) * 0.5
+        return x
+
+
+class _Sequential(_Stack):
+    """The same layers, one feeding the next: folded."""
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("model_cls,folds", [(_ByIndex, False), (_AllOutputs, False),
+                                              (_ByDepth, False), (_Between, False),
+                                              (_Sequential, True)])
+def test_layers_that_differ_are_traced_whole(model_cls, folds):
+    """The record of the whole model and of the model cut to two layers tells these apart:
+    the trace is the whole one (a copied layer would compute something else); the same
+    layers one after another are folded, to the same graph."""
+    torch.manual_seed(0)
+    model = model_cls()
+    example = (torch.randn(4, 8), torch.randn(4, 8))
+    whole, folded = _both(model, example, F.mse_loss)
+    assert fold.repeated_layers(model) is not None
+    assert folded.folded == ("layers" if folds else "")
+    assert _signature(folded) == _signature(whole)
+
+
+@pytest.mark.parametrize("name,force", [("gpt_deep", None), ("gpt_deep", "fsdp"),
+                                        ("hf_llama_deep", "tensor")])
+def test_folded_models_train_as_on_one_device(world2, name, force):
+    world2.run(rank_tasks.train_equivalence, name, (2,), force)
