@@ -96,15 +96,17 @@ def node_costs(graph: StrategyGraph, cost: CostModel,
                twin: dict[str, str] | None = None) -> dict[str, list[float]]:
     """t[v,s]: compute (+ gradient sync) seconds of every strategy, plus the loss's final
     resharding to Replicate. Nodes with a `twin` (an identical node of an earlier repeated
-    layer) share its prices."""
+    layer) share the prices of the first of them recomputed alike."""
     out = {}
+    priced: dict[tuple, list[float]] = {}
     for v in graph.nodes.values():
-        if twin and v.name in twin and _alike(cost, v.name, twin[v.name]):
-            out[v.name] = out[twin[v.name]]
-            continue
-        out[v.name] = [cost.node_time(v, s) for s in v.strategies]
+        key = _price_key(cost, twin, v.name)
+        if key not in priced:
+            priced[key] = [cost.node_time(v, s) for s in v.strategies]
+        out[v.name] = priced[key]
     for name, idx in ([graph.loss] if graph.loss else []):
         v = graph.nodes[name]
+        out[name] = list(out[name])  # its own: the loss alone pays the final resharding
         for k, s in enumerate(v.strategies):
             out[name][k] += loss_sink_time(cost, v, s.out(idx), idx)
     return out
@@ -354,12 +356,10 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
     owners = c.owners()
     node_cost = {o: [0.0] * len(c.index[o]) for o in owners}
     memory = {o: [0.0] * len(c.index[o]) for o in owners}
-    node_memory: dict[str, list[float]] = {}
+    node_memory: dict[tuple, list[float]] = {}
     for v, o in c.owner.items():
         node = graph.nodes[v]
-        tw = c.twin_of(v)
-        if not _alike(cost, v, tw):
-            tw = v
+        tw = _price_key(cost, c.twin, v)
         if tw not in node_memory:
             node_memory[tw] = [cost.node_memory(node, s) for s in node.strategies]
         allowed = set(forced[v]) if forced and v in forced else None
@@ -445,9 +445,10 @@ def _recompute_key(cost: CostModel, v: str) -> tuple:
     return r.mode_of.get(v), v in r.transient
 
 
-def _alike(cost: CostModel, v: str, twin: str) -> bool:
-    """Whether `v` may share its twin's prices: both recomputed alike."""
-    return _recompute_key(cost, v) == _recompute_key(cost, twin)
+def _price_key(cost: CostModel, twin: dict[str, str] | None, v: str) -> tuple:
+    """Nodes with one key have the same prices: twins (identical nodes of repeated layers,
+    `twin` maps a node to its earliest one) recomputed alike."""
+    return (twin.get(v, v) if twin else v, _recompute_key(cost, v))
 
 
 def _add(costs: list[float], k: int, p: float) -> None:
