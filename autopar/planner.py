@@ -180,6 +180,14 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
                                                (None if freed else False)))
     plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
                     options=options)
+    if plan.cost.peak_memory > budget * (1 + 1e-6):
+        # the ILP's memory row bounds the exact peak from above: only the solver's numerics
+        # can break this, and a plan over the budget must never reach the user as fitting
+        raise RuntimeError(
+            f"autopar: the {options.solver} solver returned a plan of "
+            f"{plan.cost.peak_memory / 2**30:.3f} GiB per device for a budget of "
+            f"{budget / 2**30:.3f} GiB (numerical trouble in the solver); this is a bug in "
+            "autopar: please report it with the model's shapes and the mesh")
     found = alternatives(graph, cost, choice, forced=forced, discouraged=discouraged,
                          memory_budget=budget, peak=plan.cost.peak_memory, twin=clusters.twin)
     plan.alternatives = compact({program.params.get(n, n): rows for n, rows in found.items()})

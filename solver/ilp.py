@@ -46,6 +46,7 @@ from autopar.passes.strategies import PARAM, SNode, StrategyGraph
 from .cost import INFEASIBLE, CostModel
 
 SCALE = 1e6  # seconds -> microseconds inside the solver
+GIB = 1.0 / 2**30  # bytes -> GiB in the memory constraint and the least-memory objective
 PENALTY = 1.0  # seconds added to a discouraged strategy (forced styles)
 BACKENDS = ("HIGHS", "SCIP", "CBC", "CP_SAT")
 
@@ -190,7 +191,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     if minimize not in ("time", "memory"):
         raise ValueError(f"minimize must be 'time' or 'memory', not {minimize!r}")
     by_memory = minimize == "memory"
-    scale = 1.0 / 2**30 if by_memory else SCALE  # GiB or microseconds inside the solver
+    scale = GIB if by_memory else SCALE  # GiB or microseconds inside the solver
     backend = backend.upper()
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend}; choose from {BACKENDS}")
@@ -246,15 +247,15 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             solver.Add(sum(rows[a]) == sum(x[ou][k] for k in ks))
         for b, js in _classes(b_of).items():
             solver.Add(sum(cols[b]) == sum(x[ov][j] for j in js))
-    gathered = _largest_bucket(solver, problem.buckets, x, y_of)
+    gathered = _largest_bucket(solver, problem.buckets, x, y_of)  # in GiB
     if by_memory and gathered is not None:
-        objective.SetCoefficient(gathered, scale)
+        objective.SetCoefficient(gathered, 1.0)
     if memory_budget is not None and not by_memory:
-        solver.Add(sum(x[o][k] * m for o, ms in problem.memory.items()
+        solver.Add(sum(x[o][k] * (m * GIB) for o, ms in problem.memory.items()
                        for k, m in enumerate(ms) if m)
-                   + sum(var * problem.edge_memory[i][ab] for i, ab, var in y_terms
+                   + sum(var * (problem.edge_memory[i][ab] * GIB) for i, ab, var in y_terms
                          if problem.edge_memory[i].get(ab))
-                   + (gathered if gathered is not None else 0) <= memory_budget)
+                   + (gathered if gathered is not None else 0) <= memory_budget * GIB)
     objective.SetMinimization()
     if backend != "HIGHS":  # a feasible start (HiGHS ignores hints through this wrapper)
         hint = greedy(graph, cost)
@@ -311,7 +312,9 @@ def silenced_stdout():
 def _largest_bucket(solver, buckets: list[list[tuple]], x: dict, y_of: dict):
     """A variable bounded below by every FSDP bucket's gathers in flight (None: no bucket
     gathers anything in any plan). A bucket is a sum of terms ("x", owner, {strategy: bytes})
-    or ("y", block, {(a, b): bytes}); buckets alike (repeated layers) give one constraint."""
+    or ("y", block, {(a, b): bytes}); buckets alike (repeated layers) give one constraint.
+    The variable is in GiB, as the memory constraint (bytes make its coefficients 1e10 and
+    HiGHS's feasibility tolerance meaningless)."""
     seen = set()
     largest = None
     for bucket in buckets:
@@ -331,7 +334,7 @@ def _largest_bucket(solver, buckets: list[list[tuple]], x: dict, y_of: dict):
         seen.add(key)
         if largest is None:
             largest = solver.NumVar(0, solver.infinity(), "gathered")
-        solver.Add(largest >= sum(var * b for var, b in coeffs.values()))
+        solver.Add(largest >= sum(var * (b * GIB) for var, b in coeffs.values()))
     return largest
 
 

@@ -15,6 +15,7 @@ from autopar.passes import strategies
 from autopar.passes.trace import trace
 from autopar.solver.cost import INFEASIBLE, CostModel
 from autopar.solver.ilp import edges, node_costs, plan_time, solve
+from autopar.solver.memory import plan_memory
 from tests.models import MLP
 
 LIMIT = 60_000  # assignments enumerated at most per example
@@ -67,3 +68,31 @@ def test_ilp_optimum_equals_brute_force(problem, backend):
     assert sol.objective == pytest.approx(brute_force(graph, cost), rel=1e-5, abs=1e-12)
     assert plan_time(graph, cost, sol.choice) == pytest.approx(sol.objective, rel=1e-5,
                                                                abs=1e-12)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(width=st.sampled_from([8192, 16384, 32768]), batch=st.sampled_from([4096, 65536]),
+       mesh=st.sampled_from([(4,), (8,)]), share=st.floats(0.0, 1.0))
+def test_ilp_optimum_under_a_budget_equals_brute_force(width, batch, mesh, share):
+    """GPU-sized MLPs (meta device) under a budget drawn between the least memory any plan
+    needs and what the fastest plan needs: the ILP's optimum is the fastest assignment that
+    fits, by enumeration, and fits itself."""
+    with torch.device("meta"):
+        model = MLP([width, width, width], activation="relu")
+    x = torch.empty(batch, width, device="meta")
+    y = torch.empty(batch, dtype=torch.long, device="meta")
+    graph = strategies.build(trace(model, (x,), torch.nn.functional.cross_entropy, y), mesh)
+    assume(math.prod(len(v.strategies) for v in graph.nodes.values()) <= LIMIT)
+    cost = CostModel(autopar.MeshSpec(mesh, hardware="h100"))
+    least = solve(graph, cost, minimize="memory").objective
+    fastest = plan_memory(graph, cost, solve(graph, cost).choice)
+    budget = least + share * (fastest - least)
+    best = INFEASIBLE
+    for combo in itertools.product(*(range(len(v.strategies)) for v in graph.nodes.values())):
+        choice = dict(zip(graph.nodes, combo))
+        t = plan_time(graph, cost, choice)
+        if t < best and plan_memory(graph, cost, choice) <= budget:
+            best = t
+    sol = solve(graph, cost, memory_budget=budget)
+    assert plan_memory(graph, cost, sol.choice) <= budget
+    assert sol.objective == pytest.approx(best, rel=1e-5)
