@@ -283,7 +283,10 @@ class Parallelized(nn.Module):
                                if name in set(plan.resharded)),
                            bucket_bytes=self._options.bucket_bytes)
         if programs.train is not None:  # the blocks the plan recomputes run under checkpoint
-            wrap_recomputed(programs.train, plan.recompute)
+            # (keeping of the parameters freed after forward only what gathers them again)
+            comm = self._comm
+            wrap_recomputed(programs.train, plan.recompute,
+                            (lambda: comm.session) if plan.resharded else None)
         constants = self._constants(program)
         runner = ParallelModule(plan, programs, program.params, self._store, constants,
                                 list(program.inputs), self._comm, self._grad_sync,

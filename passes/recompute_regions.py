@@ -8,7 +8,12 @@ only its inputs (full recomputation), or also the outputs of its products and at
 (selective: a `create_selective_checkpoint_contexts` policy); in backward it runs again first.
 
 Collectives, FSDP gathers and slices end a run, so a collective is never issued again in
-backward: its result is an input of the next run, kept. Random ops recompute the same numbers:
+backward: its result is an input of the next run, kept; except that an FSDP parameter the plan
+frees after forward is not kept by the runs that use it either: with `session` (what
+`runtime.regather.resharding` puts on the mesh's collectives), a run is handed the gathered
+parameter in forward but keeps only the session's token for it, and backward gathers it again
+before running the block again, as FSDP2's pre-forward hook does under activation
+checkpointing. Random ops recompute the same numbers:
 checkpoint restores the default generator's state (CPU, and the device's) before running
 again, and autopar's random lowerings draw from it (passes/rules/random.py). What runs is op
 for op what ran without recomputation, so gradients are bit for bit the same.
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -29,6 +36,7 @@ from torch.utils.checkpoint import (
 
 from .emitted import META_KEY
 from .recompute import SAVED_ATEN, Recompute
+from .torch_compat import outside_dispatch_modes
 
 RUN_ROLES = ("op", "getitem")
 
@@ -50,20 +58,56 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class RecomputedRun(torch.nn.Module):
-    """A run of ops executed under non-reentrant checkpoint, in "full" or "selective" mode."""
+class Tokens(Protocol):
+    """Saved-tensor hooks (as `torch.autograd.graph.saved_tensors_hooks` takes them): `pack`
+    returns a token for a tensor it can make again, or the tensor itself; `unpack` makes the
+    tensor from its token."""
 
-    def __init__(self, run: fx.GraphModule, mode: str):
+    def pack(self, t: torch.Tensor) -> Any: ...
+    def unpack(self, token: Any) -> torch.Tensor: ...
+
+
+class RecomputedRun(torch.nn.Module):
+    """A run of ops executed under non-reentrant checkpoint, in "full" or "selective" mode.
+    `session()` gives the tokens for inputs the run need not keep (None: it keeps all)."""
+
+    def __init__(self, run: fx.GraphModule, mode: str,
+                 session: Callable[[], Tokens | None] | None = None):
         super().__init__()
         self.run = run
         self.mode = mode
+        self.session = session
 
     def forward(self, *inputs):
         """The run's outputs; backward recomputes what it did not keep."""
+        session = self.session() if self.session is not None else None
+        kept = [session.pack(x) if isinstance(x, torch.Tensor) else x
+                for x in inputs] if session is not None and torch.is_grad_enabled() else None
+        if kept is None or all(k is x for k, x in zip(kept, inputs)):
+            return self._checkpoint(self.run, inputs)
+        forward = [list(inputs)]  # the inputs themselves, once: forward runs on them
+        # (the closure must not hold them: checkpoint keeps it until backward)
+        deferred = [(i, x.requires_grad) for i, (k, x) in enumerate(zip(kept, inputs))
+                    if k is not x]
+
+        def run(*tokens):
+            if forward:
+                return self.run(*forward.pop())
+            # backward: gather again, outside selective checkpoint's recompute mode; a gathered
+            # tensor asks for a gradient as in forward, so its ops save what they saved then
+            xs = list(tokens)
+            with outside_dispatch_modes():
+                for i, grad in deferred:
+                    xs[i] = session.unpack(tokens[i]).detach().requires_grad_(grad)
+            return self.run(*xs)
+
+        return self._checkpoint(run, kept)
+
+    def _checkpoint(self, fn, inputs):
         if self.mode == "selective":
             context = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-            return checkpoint(self.run, *inputs, use_reentrant=False, context_fn=context)
-        return checkpoint(self.run, *inputs, use_reentrant=False)
+            return checkpoint(fn, *inputs, use_reentrant=False, context_fn=context)
+        return checkpoint(fn, *inputs, use_reentrant=False)
 
 
 def _key(node: fx.Node, recompute: Recompute):
@@ -91,9 +135,10 @@ def recomputed_runs(gm: fx.GraphModule, recompute: Recompute) -> list[list[fx.No
     return runs
 
 
-def wrap_recomputed(gm: fx.GraphModule, recompute: Recompute) -> fx.GraphModule:
+def wrap_recomputed(gm: fx.GraphModule, recompute: Recompute,
+                    session: Callable[[], Tokens | None] | None = None) -> fx.GraphModule:
     """`gm` (a rank's training program, changed in place and returned) with each recomputed
-    run replaced by a call of a `RecomputedRun` submodule."""
+    run replaced by a call of a `RecomputedRun` submodule (`session`: see RecomputedRun)."""
     if not recompute.mode_of:
         return gm
     graph = gm.graph
@@ -111,7 +156,8 @@ def wrap_recomputed(gm: fx.GraphModule, recompute: Recompute) -> fx.GraphModule:
         outputs = [n for n in run if any(u not in members for u in n.users)]
         sub.output(tuple(env[n] for n in outputs))
         name = f"recomputed_{i}"
-        gm.add_submodule(name, RecomputedRun(fx.GraphModule(gm, sub), _key(run[0], recompute)[1]))
+        gm.add_submodule(name, RecomputedRun(fx.GraphModule(gm, sub), _key(run[0], recompute)[1],
+                                            session))
         with graph.inserting_before(run[0]):
             call = graph.call_module(name, tuple(inputs))
             for j, n in enumerate(outputs):

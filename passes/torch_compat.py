@@ -25,6 +25,9 @@ a tiny example, so a PyTorch release that changes one fails there, loudly, by na
   `torch.fx.traceback.annotate`), and calls `refuse(why)` for reentrant checkpoints (whose
   backward a trace cannot capture) and where this PyTorch cannot mark them;
   `checkpointed(node)` tells a marked node.
+- `outside_dispatch_modes()`: runs what it wraps without the active `TorchDispatchMode`s
+  (`torch.utils._python_dispatch._disable_current_modes`): selective checkpoint's recompute
+  mode refuses any op its forward did not run, such as gathering a parameter again.
 """
 
 from __future__ import annotations
@@ -183,3 +186,9 @@ def watch_checkpoints(refuse):
 def checkpointed(node: fx.Node) -> bool:
     """Whether a traced node ran under the model's own torch.utils.checkpoint."""
     return bool((node.meta.get("custom") or {}).get(CHECKPOINT_MARK))
+
+
+def outside_dispatch_modes():
+    """A context in which no `TorchDispatchMode` is active (those active are restored after)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    return _disable_current_modes()

@@ -204,10 +204,10 @@ class CostModel:
                    dst: Placements) -> bool:
         """Whether input `slot` of `consumer` is a parameter gathered whole from its storage
         shard (FSDP) that is freed after forward and gathered again for backward: one in
-        `reshard`, used by an op that is not recomputed (a recomputed run keeps its inputs
-        until backward recomputes it)."""
+        `reshard` (a recomputed run keeps a token for it, and backward gathers it again before
+        running the block again: passes/recompute_regions.py)."""
         u = consumer.inputs[slot][0]
-        if u not in self.reshard or self.recompute.mode_of.get(consumer.name):
+        if u not in self.reshard:
             return False
         return graph.nodes[u].kind == PARAM and \
             single_gather(consumer.in_shapes[slot], src, dst, self.shape) is not None

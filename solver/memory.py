@@ -303,12 +303,14 @@ def edge_saved_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slot: 
 def relived_bytes(cost: Prices, graph: StrategyGraph, node: SNode, strategy: Strategy,
                   inputs: list) -> float:
     """Of `node`'s activation and edge bytes (its inputs at `inputs`: (src, dst) per slot),
-    the part live again while backward recomputes its block (see `relived`)."""
+    the part live again while backward recomputes its block (see `relived`). A parameter
+    gathered again for the recomputation is not: its gathers in flight are priced as such."""
     if node.kind != OP or not node.requires_grad or not relived(cost, node):
         return 0.0
     return kept_bytes(cost, node, strategy) + sum(
         kept_edge_bytes(cost, graph, node, slot, src, dst)
-        for slot, (src, dst) in enumerate(inputs))
+        for slot, (src, dst) in enumerate(inputs)
+        if not cost.regathered(graph, node, slot, src, dst))
 
 
 def kept_edge_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slot: int,

@@ -101,3 +101,22 @@ def test_collectives_and_the_default_store(world2):
                                           101 + 2.0 * rank]
         assert r["all_reduce"] == [1.0]
         assert r["store"] == b"left by rank 0"
+
+
+def test_outside_dispatch_modes_leaves_the_active_mode_and_restores_it():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(2)
+    with Record():
+        x + 1
+        with torch_compat.outside_dispatch_modes():
+            x * 2
+        x - 1
+    assert seen == [torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor]
