@@ -117,8 +117,11 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
                storage: dict[str, Placements] | None = None,
                fold_layers: bool = True, recompute: str | None = None,
                reshard: bool = False, zero: dict[str, int] | None = None,
-               accumulation: int = 1) -> tuple[Plan, StrategyGraph]:
+               accumulation: int = 1, unbounded: bool = False) -> tuple[Plan, StrategyGraph]:
     """Build strategies, solve the ILP and describe the result.
+
+    With `unbounded` only the plan the ILP chooses without the memory budget is tried
+    (solver/ilp.py `solve`'s `unbounded_only`): a search step skipped when memory binds.
 
     With `reshard` (and `options.reshard_after_forward` None) the ILP prices every parameter
     gathered for its use as freed after forward, and the plan then keeps gathered what the
@@ -171,9 +174,11 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     try:
         sol = solve(graph, cost, memory_budget=budget, backend=options.solver,
                     time_limit=options.time_limit, forced=forced, discouraged=discouraged,
-                    clustering=clusters)
-    except NoFeasiblePlan:
-        raise infeasible(graph, cost, budget, forced, clusters) from None
+                    clustering=clusters, unbounded_only=unbounded)
+    except NoFeasiblePlan as e:
+        if unbounded:
+            raise
+        raise infeasible(graph, cost, budget, forced, clusters) from e
     choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
     cost = cost.copy(reshard=resharding.choose(graph, cost, choice, budget,
                                                mode if mode is not None else
@@ -240,8 +245,12 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
         plain = False  # a plan fits at this count without recomputing more than levels[0]
         for level, reshard in levels:
             try:
+                # When the fastest plan keeping every parameter gathered does not fit, freeing
+                # (the next level) is where memory is found: no budgeted solve at this one.
                 plan, graph = solve_plan(program, mesh, options, storage=storage, zero=zero,
-                                         recompute=level, reshard=reshard, accumulation=m)
+                                         recompute=level, reshard=reshard, accumulation=m,
+                                         unbounded=not reshard and len(levels) > 1 and
+                                         levels[1][1])
             except NoFeasiblePlan as e:
                 error = e
                 if e.activations_matter:

@@ -16,6 +16,7 @@ and target share as a common outer prefix (so every step acts on contiguous bloc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,10 +64,18 @@ class Step:
 
 def plan_steps(shape: Sequence[int], src: Placements, dst: Placements,
                mesh_shape: Sequence[int]) -> list[Step]:
-    """The steps from `src` to `dst` for a tensor of global `shape`."""
+    """The steps from `src` to `dst` for a tensor of global `shape` (a new list each call)."""
     src, dst = tuple(src), tuple(dst)
     if src == dst:
         return []
+    return list(_steps(tuple(shape), src, dst, tuple(mesh_shape)))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _steps(shape: tuple[int, ...], src: Placements, dst: Placements,
+           mesh_shape: tuple[int, ...]) -> tuple[Step, ...]:
+    """`plan_steps`, memoized: pricing asks for the same few thousand reshardings hundreds of
+    thousands of times on a large model (repeated layers, every candidate pair)."""
     m = len(mesh_shape)
     for k in range(m):
         if is_partial(dst[k]) and not is_partial(src[k]):
@@ -126,7 +135,7 @@ def plan_steps(shape: Sequence[int], src: Placements, dst: Placements,
         else:
             raise ReshardError(f"no step from {cur[k]} to {dst[k]} on mesh dimension {k}")
         cur[k] = dst[k]
-    return steps
+    return tuple(steps)
 
 
 def _factor(placements: Placements, mesh_shape: Sequence[int], d: int) -> int:

@@ -44,6 +44,7 @@ from autopar.passes.placement import Partial, R
 from autopar.passes.strategies import PARAM, SNode, StrategyGraph
 
 from .cost import INFEASIBLE, CostModel
+from .memory import plan_memory
 
 SCALE = 1e6  # seconds -> microseconds inside the solver
 GIB = 1.0 / 2**30  # bytes -> GiB in the memory constraint and the least-memory objective
@@ -181,13 +182,19 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
           backend: str = "HIGHS", time_limit: float = 60.0, gap: float = 1e-4,
           forced: dict[str, list[int]] | None = None,
           discouraged: dict[str, list[int]] | None = None,
-          clustering: Clustering | None = None, minimize: str = "time") -> Solution:
+          clustering: Clustering | None = None, minimize: str = "time",
+          unbounded_only: bool = False) -> Solution:
     """Solve the intra-op ILP. `forced` restricts nodes to the listed strategy indices;
     `discouraged` strategies carry a penalty of PENALTY seconds each (reported objectives
     exclude it); `clustering` (passes.cluster) says which nodes share decisions.
     `minimize="memory"` minimises bytes per device instead of seconds (the objective is then
     in bytes; no budget applies): the smallest peak any plan reaches. Raises NoFeasiblePlan
-    when no plan fits the budget (solver/diagnose.py says why)."""
+    when no plan fits the budget (solver/diagnose.py says why).
+
+    Under a budget the ILP is solved without it first; only when that plan does not fit (its
+    exact memory, solver/memory.py `plan_memory`) is it solved again under the budget, or,
+    with `unbounded_only`, NoFeasiblePlan raised (activations mattering: a search that has
+    another way to free memory next)."""
     if minimize not in ("time", "memory"):
         raise ValueError(f"minimize must be 'time' or 'memory', not {minimize!r}")
     by_memory = minimize == "memory"
@@ -250,12 +257,6 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     gathered = _largest_bucket(solver, problem.buckets, x, y_of)  # in GiB
     if by_memory and gathered is not None:
         objective.SetCoefficient(gathered, 1.0)
-    if memory_budget is not None and not by_memory:
-        solver.Add(sum(x[o][k] * (m * GIB) for o, ms in problem.memory.items()
-                       for k, m in enumerate(ms) if m)
-                   + sum(var * (problem.edge_memory[i][ab] * GIB) for i, ab, var in y_terms
-                         if problem.edge_memory[i].get(ab))
-                   + (gathered if gathered is not None else 0) <= memory_budget * GIB)
     objective.SetMinimization()
     if backend != "HIGHS":  # a feasible start (HiGHS ignores hints through this wrapper)
         hint = greedy(graph, cost)
@@ -263,30 +264,52 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
                        [float(k == hint[o]) for o, row in x.items() for k in range(len(row))])
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, gap)
-    with silenced_stdout():
-        status = solver.Solve(params)
-    elapsed = time.perf_counter() - start
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE,
-                      pywraplp.Solver.INFEASIBLE, pywraplp.Solver.MODEL_INVALID):
-        # the time limit passed before any plan (HiGHS reports 99): take the greedy one
-        choice = greedy(graph, cost, forced)
-        return Solution(choice, plan_time(graph, cost, choice), elapsed, backend,
-                        "greedy (time limit)", solver.NumVariables(), solver.NumConstraints())
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        if status == pywraplp.Solver.INFEASIBLE:
-            raise NoFeasiblePlan(f"no plan fits the memory budget of {memory_budget:.0f} bytes "
-                                 "per device" if memory_budget is not None else
-                                 "no plan exists")
-        raise RuntimeError(f"the {backend} solver stopped without a plan (status {status})")
-    owner_choice = {o: max(range(len(row)), key=lambda k, row=row: row[k].solution_value())
-                    for o, row in x.items()}
-    choice = c.expand(owner_choice)
-    value = objective.Value() / scale
-    if discouraged and not by_memory:
-        value -= PENALTY * sum(1 for n, ks in discouraged.items() if choice[n] in ks)
-    return Solution(choice, value, elapsed, backend,
-                    "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
-                    solver.NumVariables(), solver.NumConstraints())
+
+    def run() -> Solution:
+        with silenced_stdout():
+            status = solver.Solve(params)
+        elapsed = time.perf_counter() - start
+        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE,
+                          pywraplp.Solver.INFEASIBLE, pywraplp.Solver.MODEL_INVALID):
+            # the time limit passed before any plan (HiGHS reports 99): take the greedy one
+            choice = greedy(graph, cost, forced)
+            return Solution(choice, plan_time(graph, cost, choice), elapsed, backend,
+                            "greedy (time limit)", solver.NumVariables(),
+                            solver.NumConstraints())
+        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+            if status == pywraplp.Solver.INFEASIBLE:
+                raise NoFeasiblePlan(f"no plan fits the memory budget of {memory_budget:.0f} "
+                                     "bytes per device" if memory_budget is not None else
+                                     "no plan exists")
+            raise RuntimeError(f"the {backend} solver stopped without a plan (status {status})")
+        owner_choice = {o: max(range(len(row)), key=lambda k, row=row: row[k].solution_value())
+                        for o, row in x.items()}
+        choice = c.expand(owner_choice)
+        value = objective.Value() / scale
+        if discouraged and not by_memory:
+            value -= PENALTY * sum(1 for n, ks in discouraged.items() if choice[n] in ks)
+        return Solution(choice, value, elapsed, backend,
+                        "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
+                        solver.NumVariables(), solver.NumConstraints())
+
+    if memory_budget is None or by_memory:
+        return run()
+    # Without the budget first: several times faster, and when that plan fits, no plan that
+    # fits is faster.
+    sol = run()
+    peak = plan_memory(graph, cost, sol.choice)
+    if peak <= memory_budget:
+        return sol
+    if unbounded_only:
+        raise NoFeasiblePlan(f"the fastest plan ({peak / 2**30:.3f} GiB per device) does not "
+                             f"fit the budget of {memory_budget / 2**30:.3f} GiB",
+                             "activations", True)
+    solver.Add(sum(x[o][k] * (m * GIB) for o, ms in problem.memory.items()
+                   for k, m in enumerate(ms) if m)
+               + sum(var * (problem.edge_memory[i][ab] * GIB) for i, ab, var in y_terms
+                     if problem.edge_memory[i].get(ab))
+               + (gathered if gathered is not None else 0) <= memory_budget * GIB)
+    return run()
 
 
 @contextlib.contextmanager

@@ -37,15 +37,11 @@ def gathered_parameters(graph: StrategyGraph, choice: dict[str, Strategy]) -> li
 
 
 def _kept_gathered(graph: StrategyGraph, cost: CostModel, choice: dict[str, Strategy],
-                   param: str) -> float:
-    """Bytes autograd keeps of `param`'s uses under `cost`."""
-    total = 0.0
-    for v in graph.nodes.values():
-        for slot, (u, idx) in enumerate(v.inputs):
-            if u == param:
-                total += cost.edge_memory(graph, v, slot, choice[u].out(idx),
-                                          choice[v.name].inputs[slot])
-    return total
+                   uses: list[tuple]) -> float:
+    """Bytes autograd keeps under `cost` of a parameter's `uses` ((consumer, slot, output
+    index) each)."""
+    return sum(cost.edge_memory(graph, v, slot, choice[v.inputs[slot][0]].out(idx),
+                                choice[v.name].inputs[slot]) for v, slot, idx in uses)
 
 
 def choose(graph: StrategyGraph, cost: CostModel, choice: dict[str, Strategy],
@@ -65,8 +61,14 @@ def choose(graph: StrategyGraph, cost: CostModel, choice: dict[str, Strategy],
     kept = cost.copy(reshard=frozenset())
     peak = sum(memory_split(graph, freed, choice).values())
     out = set(params)
+    uses: dict[str, list[tuple]] = {p: [] for p in params}
+    for v in graph.nodes.values():
+        for slot, (u, idx) in enumerate(v.inputs):
+            if u in uses:
+                uses[u].append((v, slot, idx))
     for p in params:
-        extra = _kept_gathered(graph, kept, choice, p) - _kept_gathered(graph, freed, choice, p)
+        extra = _kept_gathered(graph, kept, choice, uses[p]) - \
+            _kept_gathered(graph, freed, choice, uses[p])
         if budget is None or peak + extra <= budget:
             out.discard(p)
             peak += extra
