@@ -4,6 +4,7 @@ meta device, planned for simulated H100 meshes.
 
     python -m benchmarks.planning_time                      # 8B 2 and 32 layers, 70B 80, (8, 8)
     python -m benchmarks.planning_time --rows 8b:32:8x8,70b:80:8x8
+    python -m benchmarks.planning_time --search 8b:32:64,70b:80:1024   # the mesh search
 
 Prints a markdown table: seconds to trace, to enumerate strategies, to cluster and build the
 ILP and solve it, for the whole `autopar.plan` call without a memory budget, and for the whole
@@ -90,12 +91,38 @@ def run(size: str, layers: int, mesh: tuple[int, ...]) -> dict:
             "folded": program.folded}
 
 
+def search(size: str, layers: int, devices: int) -> None:
+    """Time the mesh search for `devices` H100s (8 per node), one 4096-token sequence per
+    device, bf16-mixed, under the H100's memory; print the ranking of the shapes tried."""
+    model = llama(size, layers)
+    ids = torch.randint(0, 128256, (devices, 4096), device="meta")
+    start = time.perf_counter()
+    plan = autopar.plan(model, autopar.Cluster(devices, hardware="h100"), (ids, ids),
+                        loss_fn=lm_loss, precision="bf16-mixed")
+    took = time.perf_counter() - start
+    print(f"\n{size} ({layers} layers) on {devices} H100s: mesh search {took:.1f} s, chose "
+          f"{'x'.join(map(str, plan.mesh.shape))} {plan.mesh.names}\n")
+    print("| mesh | names | step s | peak GiB | plan s | why not |\n|---|---|---|---|---|---|")
+    for row in plan.mesh_search:
+        step = f"{row['step_time']:.3f}" if row.get("step_time") else "-"
+        peak = f"{row['peak_memory'] / 2**30:.1f}" if row.get("peak_memory") else "-"
+        print(f"| {'x'.join(map(str, row['shape']))} | {','.join(row['names'])} | {step} | "
+              f"{peak} | {row['seconds']:.1f} | {row['why']} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="8b:2:8x8,8b:32:8x8,70b:80:8x8",
                     help="model:layers:mesh, comma-separated")
+    ap.add_argument("--search", help="model:layers:devices, comma-separated: time the mesh "
+                                     "search instead (e.g. 8b:32:64,70b:80:1024)")
     ap.add_argument("--one", help="(internal) one row, printed as JSON")
     args = ap.parse_args()
+    if args.search:
+        for row in args.search.split(","):
+            size, layers, devices = row.split(":")
+            search(size, int(layers), int(devices))
+        return
     if args.one:
         size, layers, mesh = args.one.split(":")
         print(json.dumps(run(size, int(layers), tuple(int(s) for s in mesh.split("x")))))
