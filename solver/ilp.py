@@ -292,7 +292,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
                         "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
                         solver.NumVariables(), solver.NumConstraints())
 
-    if memory_budget is None or by_memory:
+    if memory_budget is None or by_memory or memory_budget == float("inf"):
         return run()
     # Without the budget first: several times faster, and when that plan fits, no plan that
     # fits is faster.
