@@ -16,6 +16,26 @@ Sources of the built-in figures (vendor datasheets; dense, i.e. without 2:4 spar
   DGX H100: 8 GPUs per node, 8x ConnectX-7 NDR 400 Gb/s (50 GB/s per GPU).
 - H200-SXM-141GB (NVIDIA H200 datasheet): the H100's compute; 141 GB HBM3e at 4.8 TB/s; the
   same NVLink4 and NDR links (DGX H200).
+- Per-op efficiency (autopar.solver.efficiency). The best share of peak a bf16 GEMM reaches,
+  the "maximum achievable matmul FLOPS" (MAMF) of the comparison table in Stas Bekman's
+  ml-engineering book (compute/accelerator/README.md, measured with its mamf-finder.py):
+  H100 SXM 792.1 of 989 TFLOP/s (80.1%) at M x N x K = 6144 x 17920 x 2816, A100 SXM 267.9
+  of 312 (85.9%) at 6912 x 16384 x 2048, both CUDA 12.1. SM counts from the datasheets (H100
+  SXM5: 132, A100: 108). The output tiles are CUTLASS's and cuBLAS's common bf16 tiles on
+  these parts: 128 x 256 either way, and 128 x 128 down to 64 x 64 for outputs too small to
+  fill the SMs with large ones (their somewhat lower per-SM rate is not modelled); a tile's
+  pipeline fill is taken as four 64-wide K blocks (256 elements). Fused attention:
+  FlashAttention-2 (the kernel PyTorch's SDPA flash backend runs) on H100 SXM5, head
+  dimension 128, bf16, as measured in the FlashAttention-3 paper (Shah et al., 2024,
+  arXiv:2407.08608, figures 5 and 6): forward 309 / 350 / 362 / 368 / 370 / 370 TFLOP/s at
+  512 / 1k / 2k / 4k / 8k / 16k tokens, with a causal mask 191 / 260 / 298 / 319 / 333 /
+  335, backward 214 / 260 / 291 / 310 / 318 / 322 (backward flops counted as 2.5x forward,
+  the papers' convention). The A100 has no attention table here: its attention is priced
+  as a GEMM at the MAMF share. Elementwise kernels reach about 90% of the HBM datasheet
+  bandwidth (STREAM-style copy benchmarks on A100 and H100).
+- Overlap: on GPUs collectives run on their own CUDA streams beside compute (NCCL), so the
+  ones the runtime issues ahead of need (FSDP gathers, gradient buckets) hide under compute;
+  a gloo rank on a small CPU machine has no spare core for them (`overlap` False).
 Memory sizes are what the device reports (nvidia-smi: 81920 MiB for A100-80GB, 81559 MiB for
 H100-80GB, 143771 MiB for H200). Link bandwidths are the vendor's per-direction peak times the
 share collectives reach in practice (NVIDIA's p2p test reaches about 380 of NVLink4's 450 GB/s
@@ -88,6 +108,15 @@ class HardwareProfile:
     memory_reserve: float = 0.1      # share of memory kept free for the allocator and workspace
     view_launch: float = 0.0         # seconds of host overhead per view op (no kernel runs; it
     #                                  matters where the host does not run ahead, as on CPUs)
+    # Per-op efficiency (autopar.solver.efficiency); the defaults price the plain roofline.
+    matmul_efficiency: float = 1.0   # the best share of bf16 peak a GEMM reaches (MAMF / peak)
+    matmul_best_shape: tuple[int, int, int] = (0, 0, 0)  # (M, N, K) where it was reached
+    sm_count: int = 0                # SMs a GEMM's tiles are spread over (0: no quantization)
+    gemm_tiles: tuple[tuple[int, int], ...] = ((128, 256),)  # output tiles cuBLAS picks among
+    gemm_k_overhead: float = 0.0     # pipeline fill per tile, in inner (K) elements
+    attention: dict = field(default_factory=dict)  # fused SDPA flop/s by kv length, per pass
+    memory_efficiency: float = 1.0   # share of memory bandwidth elementwise kernels reach
+    overlap: bool = False            # collectives run beside compute (their own stream)
     measured: dict = field(default_factory=dict, compare=False)  # calibration details
 
     def peak_flops(self, dtype: torch.dtype) -> float:
@@ -122,6 +151,12 @@ class HardwareProfile:
         d["intra_node"] = Link.from_dict(d["intra_node"])
         d["inter_node"] = Link.from_dict(d["inter_node"])
         d["flops"] = dict(d["flops"])
+        if "matmul_best_shape" in d:
+            d["matmul_best_shape"] = tuple(d["matmul_best_shape"])
+        if "gemm_tiles" in d:
+            d["gemm_tiles"] = tuple(tuple(t) for t in d["gemm_tiles"])
+        d["attention"] = {k: tuple(tuple(p) for p in v)
+                          for k, v in (d.get("attention") or {}).items()}
         d["measured"] = dict(d.get("measured") or {})
         return HardwareProfile(**d)
 
@@ -137,6 +172,8 @@ class HardwareProfile:
             return HardwareProfile.from_dict(json.load(f))
 
 
+GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64), (64, 64))
+
 # The built-in profiles, as data (sources in the module docstring).
 BUILTIN: dict[str, dict] = {
     "a100": {
@@ -146,6 +183,9 @@ BUILTIN: dict[str, dict] = {
         "intra_node": {"name": "nvlink3", "alpha": 10e-6, "bandwidth": 0.8 * 300 * GB},
         "inter_node": {"name": "ib-hdr", "alpha": 20e-6, "bandwidth": 0.92 * 25 * GB},
         "devices_per_node": 8,
+        "matmul_efficiency": 267.9 / 312, "matmul_best_shape": (6912, 16384, 2048),
+        "sm_count": 108, "gemm_tiles": GEMM_TILES, "gemm_k_overhead": 256,
+        "memory_efficiency": 0.9, "overlap": True,
     },
     "h100": {
         "name": "h100",
@@ -155,6 +195,17 @@ BUILTIN: dict[str, dict] = {
         "intra_node": {"name": "nvlink4", "alpha": 8e-6, "bandwidth": 0.8 * 450 * GB},
         "inter_node": {"name": "ib-ndr", "alpha": 18e-6, "bandwidth": 0.92 * 50 * GB},
         "devices_per_node": 8,
+        "matmul_efficiency": 792.1 / 989.4, "matmul_best_shape": (6144, 17920, 2816),
+        "sm_count": 132, "gemm_tiles": GEMM_TILES, "gemm_k_overhead": 256,
+        "attention": {  # (kv length, flop/s): FlashAttention-2, head dim 128 (see above)
+            "forward": [(512, 309e12), (1024, 350e12), (2048, 362e12), (4096, 368e12),
+                        (8192, 370e12), (16384, 370e12)],
+            "forward_causal": [(512, 191e12), (1024, 260e12), (2048, 298e12),
+                               (4096, 319e12), (8192, 333e12), (16384, 335e12)],
+            "backward": [(512, 214e12), (1024, 260e12), (2048, 291e12), (4096, 310e12),
+                         (8192, 318e12), (16384, 322e12)],
+        },
+        "memory_efficiency": 0.9, "overlap": True,
     },
     "cpu": {
         "name": "cpu",

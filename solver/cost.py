@@ -41,11 +41,13 @@ from autopar.passes.recompute import NONE as NO_RECOMPUTE
 from autopar.passes.recompute import Recompute, saved_under_selective
 from autopar.passes.reshard import BUCKET_BYTES, ReshardError, Step, plan_steps, single_gather
 from autopar.passes.rules import LOWERINGS, TensorArg
+from autopar.passes.rules.attention import is_causal
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, SNode, Strategy, StrategyGraph
 from autopar.passes.torch_compat import tree_map
 from autopar.passes.zero import zero_shard
 
 from . import memory as mem
+from .efficiency import attention_rate, matmul_efficiency, product_dims
 from .flops import backward_factor, drawn_elements, facts, is_view, op_flops
 from .specs import OptimizerSpec, Precision, numel, optimizer_spec, precision_spec
 
@@ -285,17 +287,46 @@ class CostModel:
             sum(self.nbytes(s, dt) for s, dt in zip(in_local, dtypes))
             + sum(self.nbytes(s, dt) for s, dt in zip(out_local, node.out_dtypes)))
         dtype = self.dtype(node.out_dtypes[0] if node.out_dtypes else torch.float32)
-        roof = max(flops / self.hw.peak_flops(dtype), nbytes / self.hw.memory_bandwidth)
+        peak = self.hw.peak_flops(dtype)
+        moved = nbytes / (self.hw.memory_bandwidth * self.hw.memory_efficiency)
         launch = self.hw.view_launch if view else self.hw.launch
+        product = facts(node).product
+        if product is not None:
+            a, b = (in_local[i] for i in product)
+            m, n, k = product_dims(a, b, out_local[0])
+            roof = max(flops / (peak * matmul_efficiency(self.hw, m, n, k)), moved)
+        else:
+            roof = max(self.kernel_time(node, flops, peak, in_local), moved)
         fwd = roof + launch + self.draw_time(node)
         if not grad:
             return fwd, 0.0
-        product = facts(node).product
         if product is not None:
-            # One product per operand that needs a gradient (the bias gradient is a sum).
-            g = sum(self.grad_inputs(node)[i] for i in product)
-            return fwd, g * roof + max(g, 1) * launch
+            # One product per operand that needs a gradient (the bias gradient is a sum): the
+            # input's gradient is M x N times N x K, the weight's N x M times M x K.
+            needs = self.grad_inputs(node)
+            shapes = ((m, k, n), (n, k, m))
+            g = [shapes[j] for j, i in enumerate(product) if needs[i]]
+            bwd = sum(max(2.0 * mm * nn * kk / (peak * matmul_efficiency(self.hw, mm, nn, kk)),
+                          moved) for mm, nn, kk in g)
+            return fwd, bwd + max(len(g), 1) * launch
+        if facts(node).kernel == "attention" and self.hw.attention:
+            bwd = self.kernel_time(node, flops, peak, in_local, backward=True)
+            return fwd, max(bwd, moved * backward_factor(node)) + launch
         return fwd, backward_factor(node) * roof + launch
+
+    def kernel_time(self, node: SNode, flops: float, peak: float, in_local: list[tuple],
+                    backward: bool = False) -> float:
+        """Seconds of the arithmetic of a non-product op: attention at its fused kernel's
+        measured rate (backward: 2.5x the forward flops, the FlashAttention papers' count
+        their rates are in), anything else at peak (solver/efficiency.py)."""
+        if facts(node).kernel == "attention":
+            rate = attention_rate(self.hw, in_local[1][-2], causal=is_causal(node.call),
+                                  backward=backward)
+            if rate is not None:
+                return (2.5 if backward else 1.0) * flops / rate
+            return (backward_factor(node) if backward else 1.0) * flops / (
+                peak * self.hw.matmul_efficiency)
+        return flops / peak
 
     def draw_time(self, node: SNode) -> float:
         """Seconds a random op spends drawing: the whole tensor on every rank, whatever the

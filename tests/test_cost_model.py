@@ -15,6 +15,7 @@ from autopar.passes import strategies
 from autopar.passes.trace import trace_example
 from autopar.profile import OpProfiler
 from autopar.solver.cost import ALGO_FACTOR, CostModel
+from autopar.solver.efficiency import matmul_efficiency
 from autopar.solver.flops import attention_flops, backward_factor, is_view
 from autopar.zoo import GPT, CausalSelfAttention, GPTConfig, lm_loss
 from tests import cost_tasks
@@ -133,7 +134,9 @@ def test_megatron_flop_count(B, s, L, h, V):
 
 def test_roofline_prices_backward_by_the_gradients_it_computes():
     """A hidden layer's backward computes two products (2x forward), the first layer's one (its
-    input needs no gradient); each op pays the launch floor per kernel."""
+    input needs no gradient); each op pays the launch floor per kernel. Each product runs at
+    the share of peak its own shape reaches (solver/efficiency.py): the weight's gradient
+    (1024 x 4096 times 4096 x 1024) is a different GEMM from the forward's."""
     torch.manual_seed(0)
     model = MLP([1024, 1024, 1024])
     x, y = torch.randn(4096, 1024), torch.randint(0, 1024, (4096,))
@@ -142,15 +145,67 @@ def test_roofline_prices_backward_by_the_gradients_it_computes():
     first, hidden = [v for v in graph.nodes.values() if v.op.startswith("linear")]
     flops = 2 * 4096 * 1024 * 1024
     bytes_ = (4096 * 1024 * 2 + 1024 * 1024 + 1024) * 4
-    roof = max(flops / 67e12, bytes_ / 3.35e12)
+    moved = bytes_ / (3.35e12 * 0.9)
+
+    def gemm(m, n, k):
+        return max(flops / (67e12 * matmul_efficiency(autopar.H100, m, n, k)), moved)
+
     launch = autopar.H100.launch
+    forward, grad_input, grad_weight = gemm(4096, 1024, 1024), gemm(4096, 1024, 1024), \
+        gemm(1024, 1024, 4096)
     assert cost.compute_times(first, first.strategies[0]) == pytest.approx(
-        (roof + launch, roof + launch))
+        (forward + launch, grad_weight + launch))
     assert cost.compute_times(hidden, hidden.strategies[0]) == pytest.approx(
-        (roof + launch, 2 * roof + 2 * launch))
+        (forward + launch, grad_input + grad_weight + 2 * launch))
     unbound = CostModel(autopar.MeshSpec((1,), hardware="h100"))  # no graph: assume both
     assert unbound.compute_times(first, first.strategies[0])[1] == pytest.approx(
-        2 * roof + 2 * launch)
+        grad_input + grad_weight + 2 * launch)
+
+
+def test_gemm_efficiency_falls_for_small_and_skinny_shapes():
+    """The shape the maximum was measured at reaches it exactly, nothing exceeds it, and a few
+    rows (a small microbatch), a narrow shard or a short reduction reach far less."""
+    h100 = autopar.H100
+    best = matmul_efficiency(h100, *h100.matmul_best_shape)
+    assert best == pytest.approx(792.1 / 989.4)
+    large = matmul_efficiency(h100, 8192, 4096, 4096)
+    assert 0.95 * best < large <= best
+    assert matmul_efficiency(h100, 16, 4096, 4096) < 0.3 * best  # most of each tile idle
+    assert matmul_efficiency(h100, 8192, 4096, 128) < 0.5 * best  # pipeline fill dominates
+    assert matmul_efficiency(h100, 1024, 1024, 1024) < 0.9 * best  # a short split reduction
+    # a small output with a long reduction splits it over the idle SMs (split-K)
+    assert matmul_efficiency(h100, 1024, 1024, 65536) == pytest.approx(best, rel=0.01)
+    assert matmul_efficiency(autopar.CPU, 64, 8, 8) == 1.0  # CPUs: the plain roofline
+
+
+def test_attention_runs_at_its_fused_kernels_measured_rate():
+    """SDPA is priced at the FlashAttention-2 rate the H100 profile records for its kv length
+    (causal forward, backward at 2.5x forward flops) and slower at short sequences."""
+    def priced(seq):
+        q = torch.randn(2, 8, seq, 128)
+        graph = strategies.build(trace_example(_Attention(), (q, q, q, q), F.mse_loss), (1,))
+        cost = CostModel(autopar.MeshSpec((1,), hardware="h100"), graph=graph,
+                         precision="bf16-mixed")
+        v = next(v for v in graph.nodes.values() if v.op.startswith("scaled_dot"))
+        flops = 2 * 2 * 8 * seq * seq * 256 * 0.5
+        return cost.compute_times(v, v.strategies[0]), flops
+
+    (fwd, bwd), flops = priced(4096)
+    launch = autopar.H100.launch
+    assert fwd == pytest.approx(flops / 319e12 + launch)
+    assert bwd == pytest.approx(2.5 * flops / 310e12 + launch)
+    (fwd_short, _), flops_short = priced(512)
+    assert flops_short / (fwd_short - launch) == pytest.approx(191e12)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(128))
+
+    def forward(self, q, k, v):
+        q, k, v = (t * self.scale for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class _Dropouts(torch.nn.Module):
@@ -186,7 +241,8 @@ def test_random_ops_draw_whole_and_keep_their_block():
         for s in v.strategies:  # forward: the local op plus the whole draw; backward: no draw
             fwd, bwd = cost.compute_times(v, s)
             launch = autopar.H100.launch
-            assert bwd == pytest.approx(backward_factor(v) * (fwd - draw - launch) + launch)
+            if v is dropout:  # (SDPA's backward runs at its own kernel's rate: tested above)
+                assert bwd == pytest.approx(backward_factor(v) * (fwd - draw - launch) + launch)
     whole, block = (next(s for s in dropout.strategies if all(type(p).__name__ == kind
                                                               for p in s.output))
                     for kind in ("Replicate", "Shard"))

@@ -137,4 +137,6 @@ def test_memory_budget_holds_at_gpu_scale():
                          autopar.MeshSpec((8, 8), hardware="h100"),
                          PlanOptions(memory_budget=budget), recompute="none", reshard=True)
     assert plan.cost.peak_memory <= budget
-    assert plan.cost.step_time < 0.11  # 0.0995 s; the over-budget plan was 0.284 s
+    # 0.114 s (0.0995 s when every GEMM was priced at peak, when the over-budget plan was
+    # 0.284 s)
+    assert plan.cost.step_time < 0.125

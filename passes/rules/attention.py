@@ -68,9 +68,13 @@ def attention_flops(q: tuple, k: tuple, v: tuple | None = None, causal: bool = F
     return 2.0 * heads * L * S * (E + Ev) * (0.5 if causal else 1.0)
 
 
+def is_causal(call: OpCall) -> bool:
+    """Whether an SDPA call masks causally (its kernels skip the masked half)."""
+    return bool(call.arg(5, "is_causal", False))
+
+
 def _flops(call: OpCall, in_local, out_local) -> float:
-    causal = bool(call.arg(5, "is_causal", False))
-    return attention_flops(in_local[0], in_local[1], in_local[2], causal)
+    return attention_flops(in_local[0], in_local[1], in_local[2], is_causal(call))
 
 
 def _saved_slots(call: OpCall) -> tuple[int, ...]:
@@ -97,7 +101,8 @@ def _extra_saved(call: OpCall, in_local, out_local, itemsize) -> float:
 
 
 facts(aten.scaled_dot_product_attention.default, flops=_flops, backward_factor=2.0,
-      saves=_saved_slots, saves_output=True, extra_saved=_extra_saved, draws=dropout_weights)
+      saves=_saved_slots, saves_output=True, extra_saved=_extra_saved, draws=dropout_weights,
+      kernel="attention")
 
 
 def _sdpa_rows(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, row_offset):

@@ -133,7 +133,10 @@ class OpFacts:
     for backward (statistics, log-sum-exp, a dropout mask), `itemsize(dtype)` giving a traced
     dtype's size under the plan's precision.
     `draws(call)`: random numbers it draws on every rank (the whole tensor, whatever the
-    sharding)."""
+    sharding).
+    `kernel`: the fused kernel family it runs on GPUs when its speed is not a GEMM's nor
+    bandwidth's ("attention": priced by the profile's attention table,
+    solver/efficiency.py)."""
 
     view: bool = False
     product: tuple[int, int] | None = None
@@ -144,6 +147,7 @@ class OpFacts:
     flops: Callable | None = None
     extra_saved: Callable | None = None
     draws: Callable | None = None
+    kernel: str = ""
 
 
 UNKNOWN = OpFacts()  # an op no family states facts for: assume it keeps every input

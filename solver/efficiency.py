@@ -1,0 +1,99 @@
+"""How much of a device's peak an op reaches: matrix products by shape, attention by its fused
+kernel, everything else by memory bandwidth. A leaf of the solver: the cost model reads it.
+
+The figures live in the hardware profile (autopar.hardware, with their sources there); this
+module turns them into seconds for one op on its local shapes:
+
+- Matrix products (linear, mm, bmm, addmm, matmul): peak x `matmul_efficiency` (the largest
+  share of peak any well-shaped GEMM reaches, the "maximum achievable matmul FLOPS") x the
+  quantization losses NVIDIA's GEMM performance guide describes ("Matrix Multiplication
+  Background User's Guide", docs.nvidia.com/deeplearning/performance): the output is cut into
+  tiles (the best of `gemm_tiles` for the shape, as cuBLAS's heuristics pick) and a partial
+  tile costs a whole one (tile quantization); the tiles run in waves of one per SM and a partial last wave costs a whole
+  one (wave quantization), unless the reduction is split over more tiles (split-K, which
+  cuBLAS and CUTLASS use for small outputs with long reductions: the splits are
+  tiles of their own, each over a part of K); and every tile pays a fixed pipeline fill of `gemm_k_overhead`
+  inner elements, so a short reduction dimension K runs at K / (K + overhead) of the rate.
+  These losses are relative to the shape where the maximum was measured
+  (`matmul_best_shape`), so that shape reaches exactly the maximum and none exceeds it.
+  Small and skinny GEMMs (a few rows of a microbatch, a narrow tensor-parallel shard) reach
+  far less of peak than large square ones. A product is never faster than reading its
+  operands and writing its output at the achievable memory bandwidth.
+- Attention (SDPA): the fused kernel's measured throughput by sequence length (`attention`,
+  flop/s per (kv length) point for forward, causal forward and backward), interpolated in
+  log2 of the length, in the flops convention of the FlashAttention papers (a causal mask
+  counts half), which autopar's attention flops follow.
+- Everything else: bytes moved / (memory bandwidth x `memory_efficiency`), or flops at peak
+  when that is larger (the roofline).
+
+A profile without these figures (the CPU profile: 0 SMs, efficiency 1, no attention table)
+prices every op on the plain roofline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["attention_rate", "matmul_efficiency", "product_dims"]
+
+
+def product_dims(a: Sequence[int], b: Sequence[int], out: Sequence[int]) -> tuple[int, int, int]:
+    """(M, N, K) of a product on local shapes: `a` (..., K) times `b` into `out` (..., N); M
+    folds every leading dimension of the output (batch, sequence, bmm's batch) into rows."""
+    k = a[-1] if a else 1
+    n = out[-1] if out else 1
+    m = math.prod(out[:-1]) if len(out) > 1 else 1
+    return m, n, k
+
+
+def matmul_efficiency(hw, m: int, n: int, k: int) -> float:
+    """Share of `hw`'s peak a GEMM of M x K times K x N reaches: the achievable maximum
+    times tile, wave and K-pipeline quantization (module docstring). 1 for profiles without
+    SM figures (CPUs)."""
+    eff = hw.matmul_efficiency
+    if not hw.sm_count or min(m, n, k) <= 0:
+        return eff
+    reference = _quantized(hw, *hw.matmul_best_shape) if all(hw.matmul_best_shape) else 1.0
+    return eff * min(1.0, _quantized(hw, m, n, k) / reference)
+
+
+def _quantized(hw, m: int, n: int, k: int) -> float:
+    """Useful share of a GEMM's work after tile, wave and K-pipeline quantization."""
+    best = 0.0
+    split = 1
+    while split == 1 or k / split >= 2 * hw.gemm_k_overhead:
+        kk = k / split
+        fill = max(_tiling(m, n, tm, tn, hw.sm_count, split) for tm, tn in hw.gemm_tiles)
+        best = max(best, fill * kk / (kk + hw.gemm_k_overhead))
+        split *= 2
+    return best
+
+
+def _tiling(m: int, n: int, tm: int, tn: int, sms: int, split: int = 1) -> float:
+    """Useful share of the work the tiles of a wave-quantized M x N output do, each tile's
+    reduction split `split` ways."""
+    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+    tile_fill = m * n / (tiles_m * tiles_n * tm * tn)
+    tiles = tiles_m * tiles_n * split
+    waves = math.ceil(tiles / sms)
+    wave_fill = tiles / (waves * sms)
+    return tile_fill * wave_fill
+
+
+def attention_rate(hw, kv_length: int, *, causal: bool, backward: bool) -> float | None:
+    """Flop/s the fused attention kernel reaches at `kv_length` keys (None: the profile has
+    no attention figures; price on the matmul efficiency)."""
+    table = hw.attention.get("backward" if backward else
+                             "forward_causal" if causal and "forward_causal" in hw.attention
+                             else "forward")
+    if not table:
+        return None
+    points = sorted(table)
+    if kv_length <= points[0][0]:  # below the first point: scale down linearly
+        return points[0][1] * kv_length / points[0][0]
+    for (l0, r0), (l1, r1) in zip(points, points[1:]):
+        if kv_length <= l1:
+            w = (math.log2(kv_length) - math.log2(l0)) / (math.log2(l1) - math.log2(l0))
+            return r0 + w * (r1 - r0)
+    return points[-1][1]
