@@ -7,18 +7,18 @@ module turns them into seconds for one op on its local shapes:
 - Matrix products (linear, mm, bmm, addmm, matmul): peak x `matmul_efficiency` (the largest
   share of peak any well-shaped GEMM reaches, the "maximum achievable matmul FLOPS") x the
   quantization losses NVIDIA's GEMM performance guide describes ("Matrix Multiplication
-  Background User's Guide", docs.nvidia.com/deeplearning/performance): the output is cut into
-  tiles (the best of `gemm_tiles` for the shape, as cuBLAS's heuristics pick) and a partial
-  tile costs a whole one (tile quantization); the tiles run in waves of one per SM and a partial last wave costs a whole
-  one (wave quantization), unless the reduction is split over more tiles (split-K, which
-  cuBLAS and CUTLASS use for small outputs with long reductions: the splits are
-  tiles of their own, each over a part of K); and every tile pays a fixed pipeline fill of `gemm_k_overhead`
-  inner elements, so a short reduction dimension K runs at K / (K + overhead) of the rate.
-  These losses are relative to the shape where the maximum was measured
-  (`matmul_best_shape`), so that shape reaches exactly the maximum and none exceeds it.
-  Small and skinny GEMMs (a few rows of a microbatch, a narrow tensor-parallel shard) reach
-  far less of peak than large square ones. A product is never faster than reading its
-  operands and writing its output at the achievable memory bandwidth.
+  Background User's Guide", docs.nvidia.com/deeplearning/performance). The output is cut
+  into tiles (the best of `gemm_tiles` for the shape, as cuBLAS's heuristics pick) and a
+  partial tile costs a whole one (tile quantization); the tiles run in waves of one per SM
+  and a partial last wave costs a whole one (wave quantization), unless the reduction is
+  split over more tiles (split-K, which cuBLAS and CUTLASS use for small outputs with long
+  reductions: each split is a tile of its own over a part of K); and every tile pays a fixed
+  pipeline fill of `gemm_k_overhead` inner elements, so a short reduction K runs at
+  K / (K + overhead) of the rate. These losses are relative to the shape where the maximum
+  was measured (`matmul_best_shape`), so that shape reaches exactly the maximum and none
+  exceeds it. Small and skinny GEMMs (a few rows of a microbatch, a narrow tensor-parallel
+  shard) reach far less of peak than large square ones. A product is never faster than
+  reading its operands and writing its output at the achievable memory bandwidth.
 - Attention (SDPA): the fused kernel's measured throughput by sequence length (`attention`,
   flop/s per (kv length) point for forward, causal forward and backward), interpolated in
   log2 of the length, in the flops convention of the FlashAttention papers (a causal mask
