@@ -56,12 +56,15 @@ class Collective:
 class PlanCost:
     """Predicted seconds per step and bytes per device.
 
-    `step_time` = `compute` (forward + backward of every op on one device; `compute_forward`
-    of it in the forward pass) + the sum of `communication` (seconds by collective kind, and
-    gradient synchronization). `memory` is bytes per device by kind: parameters, gradients,
-    optimizer (state, master weights) and activations (kept for backward); their sum is the
-    predicted peak, within `memory_budget`. `precision`, `optimizer` and `compute_source`
-    ("roofline" or "measured") say what the model priced.
+    `step_time` = `compute` (forward + backward of every op on one device; `compute_forward` of
+    it in the forward pass) + the sum of `communication` (seconds by collective kind, and
+    gradient synchronization) - the sum of `hidden` (seconds of each kind that run beside
+    compute and hide under it: on hardware whose collectives overlap compute, FSDP gathers,
+    their gradients' reduce-scatters and gradient synchronization; each pass takes the longer of
+    its compute and tensor-parallel collectives and its overlapped ones). `memory` is bytes per
+    device by kind: parameters, gradients, optimizer (state, master weights) and activations
+    (kept for backward); their sum is the predicted peak, within `memory_budget`. `precision`,
+    `optimizer` and `compute_source` ("roofline" or "measured") say what the model priced.
     """
 
     step_time: float
@@ -74,10 +77,17 @@ class PlanCost:
     precision: str = "fp32"
     optimizer: str = "adamw"
     compute_source: str = "roofline"
+    hidden: dict[str, float] = field(default_factory=dict)
 
     @property
     def communication_total(self) -> float:
+        """Seconds of every collective, hidden or not."""
         return sum(self.communication.values())
+
+    @property
+    def exposed_communication(self) -> float:
+        """Seconds of communication the step waits for (what `hidden` leaves)."""
+        return self.communication_total - sum(self.hidden.values())
 
     @property
     def peak_memory(self) -> float:

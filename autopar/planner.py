@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import random
 import time
+from collections import defaultdict
 
 from autopar.passes import strategies as strat_pass
 from autopar.passes.cluster import cluster
@@ -28,12 +29,13 @@ from autopar.passes.trace import TracedProgram
 from autopar.solver import resharding
 from autopar.solver import stages as pipe
 from autopar.solver.alternatives import alternatives, compact
-from autopar.solver.cost import CostModel
+from autopar.solver.cost import CostModel, Split, step_seconds
 from autopar.solver.diagnose import infeasible
 from autopar.solver.ilp import (
     NoFeasiblePlan,
     Solution,
     loss_sink_time,
+    plan_split,
     plan_time,
     random_choice,
     solve,
@@ -284,6 +286,20 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
 BINDING = 0.9
 
 
+def hidden_seconds(cost: CostModel, total: Split, side: dict[tuple[str, str], float]
+                   ) -> dict[str, float]:
+    """Seconds of each collective kind hidden under compute (cost.step_seconds): each pass's
+    hidden seconds shared among the kinds beside it in proportion to their seconds there."""
+    _, hidden_f, hidden_b = step_seconds(total, cost.overlap, cost.edge_share())
+    out: dict[str, float] = defaultdict(float)
+    for phase, hidden in (("forward", hidden_f), ("backward", hidden_b)):
+        there = {k: t for (k, p), t in side.items() if p == phase and t}
+        whole = sum(there.values())
+        for k, t in there.items():
+            out[k] += hidden * t / whole
+    return {k: t for k, t in out.items() if t}
+
+
 def accumulated(plan: Plan, m: int) -> Plan:
     """`plan` (priced for one microbatch) as a step of `m` microbatches: compute and
     collectives m times, gradient synchronization once; memory as for one microbatch."""
@@ -291,9 +307,13 @@ def accumulated(plan: Plan, m: int) -> Plan:
         return plan
     cost = plan.cost
     comm = {k: v * (1 if k == "gradient_sync" else m) for k, v in cost.communication.items()}
+    # what hid under one microbatch's compute hides under each one's (gradient
+    # synchronization under the last one's backward)
+    hidden = {k: v * (1 if k == "gradient_sync" else m) for k, v in cost.hidden.items()}
     compute = cost.compute * m
     priced = dataclasses.replace(cost, compute=compute, compute_forward=cost.compute_forward * m,
-                                 communication=comm, step_time=compute + sum(comm.values()))
+                                 communication=comm, hidden=hidden,
+                                 step_time=compute + sum(comm.values()) - sum(hidden.values()))
     return dataclasses.replace(plan, cost=priced, accumulation=m)
 
 
@@ -352,11 +372,14 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
     comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0,
                               "all_to_all": 0.0, "gradient_sync": 0.0}
     memory = memory_split(graph, cost, choice)
+    side: dict[tuple[str, str], float] = defaultdict(float)  # (kind, pass): seconds beside
     for v in graph.nodes.values():
         s = choice[v.name]
         if v.kind == PARAM:
             for kind, k, nbytes, t in cost.grad_sync_steps(v, s.output, s.zero):
                 comm["gradient_sync"] += t
+                if kind != "all_gather":
+                    side["gradient_sync", "backward"] += t
                 collectives.append(Collective(kind, k, nbytes, t, "gradient sync",
                                               program.params[v.name]))
             continue
@@ -372,13 +395,17 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
                                v.module, why_replicated(v, s, mesh)))
         for slot, (u, idx) in enumerate(v.inputs):
             src, dst = choice[u].out(idx), s.inputs[slot]
+            beside = graph.nodes[u].kind == PARAM
             for kind, k, nbytes, t, phase in cost.edge_collectives(graph, v, slot, src, dst):
                 collectives.append(Collective(kind, k, nbytes, t, phase, v.name))
                 comm[kind] += t
+                if beside:
+                    side[kind, "forward" if phase == "forward" else "backward"] += t
     if graph.loss is not None:  # a loss that must be gathered (not a pending sum) costs here
         name, idx = graph.loss
         comm["all_gather"] += loss_sink_time(cost, graph.nodes[name], choice[name].out(idx), idx)
-    step_time = compute + sum(comm.values())
+    hidden = hidden_seconds(cost, plan_split(graph, cost, index), side)
+    step_time = compute + sum(comm.values()) - sum(hidden.values())
     inputs = []
     for name in program.inputs[:len(program.inputs) - (1 if program.has_loss else 0)]:
         uses = [v.strategies[index[v.name]].inputs[i] for v in graph.nodes.values()
@@ -395,7 +422,8 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
                          sol.objective if sol else plan_time(graph, cost, index),
                          memory_budget=memory_budget or 0.0, compute_forward=forward,
                          precision=cost.precision.name, optimizer=cost.optimizer.name,
-                         compute_source="measured" if cost.measured else "roofline"),
+                         compute_source="measured" if cost.measured else "roofline",
+                         hidden=hidden),
                 strategies, fingerprint(graph), sol.solve_time if sol else 0.0,
                 sol.backend if sol else "given", graph.unsupported,
                 options=options or PlanOptions(), recompute=cost.recompute,
@@ -570,8 +598,10 @@ def _pipeline_cost(whole: PlanCost, step: float, compute: float, comm: dict, mem
     forward = getattr(whole, "compute_forward", 0.0)
     extra = {"compute_forward": forward * compute / whole.compute} if forward and whole.compute \
         else {}
+    # (the pipeline's step adds every collective: overlap is not priced for pipelines yet)
     return dataclasses.replace(whole, step_time=step, compute=compute, communication=comm,
-                               memory=dict(memory), solver_objective=objective, **extra)
+                               memory=dict(memory), solver_objective=objective, hidden={},
+                               **extra)
 
 
 def _stage_cost(sub: MeshSpec, graph: StrategyGraph, optimizer, precision, profile) -> CostModel:

@@ -104,11 +104,14 @@ def timeline_section(plan) -> str:
     rows, at = [], 0.0
     for s in segments:
         label = f"{s.phase}: {s.what}"
+        more = f" (+{ms(s.hidden)} ms hidden under compute)" if s.hidden else ""
         rows.append((label, at, s.seconds, COLORS.get(s.what, OTHER),
-                     f"{label}: {ms(s.seconds)} ms"))
+                     f"{label}: {ms(s.seconds)} ms{more}"))
         at += s.seconds
-    note = ("<p>The cost model runs collectives after the compute they serve, without "
-            "overlap: each bar starts where the previous ends.</p>")
+    note = ("<p>Each bar starts where the previous ends: the time the step spends on it. "
+            "Collectives the runtime issues ahead of need (FSDP gathers, gradient buckets) run "
+            "beside compute where the hardware overlaps them; the part hidden under compute "
+            "is in each bar's label, not its length.</p>")
     return section("Predicted step", note + bar_rows(rows, at), "timeline")
 
 

@@ -343,9 +343,11 @@ def cost_lines(cost) -> list[str]:
     comm = ", ".join(f"{k} {ms(v)}" for k, v in sorted(cost.communication.items()) if v)
     split = f"forward {ms(cost.compute_forward)}, backward " \
         f"{ms(cost.compute - cost.compute_forward)}; " if cost.compute_forward else ""
+    hidden = sum(getattr(cost, "hidden", {}).values())
+    exposed = f" - {ms(hidden)} ms of it hidden under compute" if hidden else ""
     out = [f"predicted step {ms(cost.step_time)} ms = compute {ms(cost.compute)} ms "
            f"({split}{cost.compute_source}) + communication {ms(cost.communication_total)} ms "
-           f"({comm or 'none'})"]
+           f"({comm or 'none'}){exposed}"]
     mem = ", ".join(f"{k} {mib(v)}" for k, v in cost.memory.items())
     budget = f" of {mib(cost.memory_budget)} MiB budget" if cost.memory_budget else ""
     out.append(f"memory per device {mib(cost.peak_memory)} MiB{budget} ({mem}); "

@@ -2,11 +2,14 @@
 
 `step_segments(plan)` splits the predicted step time into its parts in the order they run:
 forward compute, the forward collectives, backward compute, the backward collectives, gradient
-synchronization, and for pipelines the bubble. The cost model prices collectives one after the
-other, not overlapped with compute, so the segments follow each other and add up to
-`plan.cost.step_time`. It prices each collective kind per step (`PlanCost.communication`);
-the plan's collectives (`plan.collectives`, each with its phase) say how a kind divides
-between forward and backward, and its time is split in that proportion.
+synchronization, and for pipelines the bubble. A collective the step waits for follows the
+compute; what of a kind runs beside compute and hides under it (`PlanCost.hidden`: FSDP
+gathers, reduce-scatters and gradient synchronization on hardware whose collectives overlap
+compute) is a segment's `hidden` seconds, not in its `seconds`, so the segments follow each
+other and their seconds add up to `plan.cost.step_time`. The cost prices each collective
+kind per step (`PlanCost.communication`); the plan's collectives (`plan.collectives`, each
+with its phase) say how a kind divides between forward and backward, and its time is split
+in that proportion.
 
 `pipeline_slots(pipeline, forward_fraction)` lays out a pipeline schedule from the plan's
 seconds per microbatch of each stage: every stage runs the microbatches' forwards in order and
@@ -30,11 +33,13 @@ PHASES = ("forward", "backward", "gradient sync", "pipeline bubble")
 @dataclass(frozen=True)
 class Segment:
     """One part of a step: `phase` (see PHASES), `what` ("compute" or a collective kind),
-    seconds."""
+    the seconds the step spends on it, and the seconds more of it that ran hidden under
+    compute."""
 
     phase: str
     what: str
     seconds: float
+    hidden: float = 0.0
 
 
 def step_segments(plan) -> list[Segment]:
@@ -52,11 +57,13 @@ def step_segments(plan) -> list[Segment]:
     else:
         parts["forward"].append(Segment("forward", "compute (forward + backward)",
                                         cost.compute))
+    hidden = getattr(cost, "hidden", {})
     for kind, seconds in cost.communication.items():
         if not seconds:
             continue
+        under = hidden.get(kind, 0.0)
         if kind == "gradient_sync":
-            parts["gradient sync"].append(Segment("gradient sync", kind, seconds))
+            parts["gradient sync"].append(Segment("gradient sync", kind, seconds - under, under))
         elif kind == "pipeline_bubble":
             parts["pipeline bubble"].append(Segment("pipeline bubble", "idle", seconds))
         else:
@@ -64,8 +71,9 @@ def step_segments(plan) -> list[Segment]:
             share = forward / (forward + backward) if forward + backward else 1.0
             for phase, part in (("forward", share), ("backward", 1 - share)):
                 if part:
-                    parts[phase].append(Segment(phase, kind, seconds * part))
-    return [s for phase in PHASES for s in parts[phase] if s.seconds > 0]
+                    parts[phase].append(Segment(phase, kind, (seconds - under) * part,
+                                                under * part))
+    return [s for phase in PHASES for s in parts[phase] if s.seconds > 0 or s.hidden > 0]
 
 
 @dataclass(frozen=True)

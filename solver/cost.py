@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -63,6 +64,41 @@ INFEASIBLE = float("inf")
 # A random number costs about what a transcendental does (a Philox or Mersenne-Twister step and
 # a conversion), and is written to memory.
 DRAW_FLOPS = 20.0
+
+
+class Split(NamedTuple):
+    """Seconds of one price by where they run: on the critical path (compute, and collectives
+    compute waits for) in forward and backward, and beside compute (collectives the runtime
+    issues ahead of need on their own stream) in forward and backward. Their sum is the
+    price; a step takes `step_seconds` of the sums."""
+
+    forward: float
+    backward: float
+    side_forward: float
+    side_backward: float
+
+    def plus(self, other: Split, times: float = 1.0) -> Split:
+        """The sum with `times` x `other`."""
+        return Split(*(a + times * b for a, b in zip(self, other)))
+
+
+NO_TIME = Split(0.0, 0.0, 0.0, 0.0)
+
+
+def step_seconds(total: Split, overlap: bool, edge: float = 0.0) -> tuple[float, float, float]:
+    """(step seconds, seconds hidden in forward, in backward) of a step whose prices add up
+    to `total`. With `overlap` each pass takes the longer of its critical path and its side
+    collectives (a collective beside compute hides under it), except that the share `edge`
+    of the side collectives has nothing to hide under: the first bucket's gathers come
+    before any forward compute, the last bucket's gradients are complete only when backward
+    compute ends (`CostModel.edge_share`). Without `overlap`, everything adds up."""
+    if not overlap:
+        return sum(total), 0.0, 0.0
+    hidden_f = total.side_forward - max(edge * total.side_forward,
+                                        total.side_forward - total.forward, 0.0)
+    hidden_b = total.side_backward - max(edge * total.side_backward,
+                                         total.side_backward - total.backward, 0.0)
+    return sum(total) - hidden_f - hidden_b, hidden_f, hidden_b
 
 
 class CostModel:
@@ -98,6 +134,7 @@ class CostModel:
         # microbatches a step accumulates gradients over (ZeRO-2 reduce-scatters each one's)
         self.accumulation = accumulation
         self._reshard = lru_cache(maxsize=None)(self._reshard_uncached)
+        self._edge_share: float | None = None
 
     def copy(self, **changes) -> CostModel:
         """The same model with some settings changed (mesh, optimizer, bucket_bytes, graph,
@@ -436,6 +473,64 @@ class CostModel:
             return self.param_memory(node, strategy.output, strategy.zero)
         return self.activation_memory(node, strategy)
 
+    # -- overlap -------------------------------------------------------------------------------
+    @property
+    def overlap(self) -> bool:
+        """Whether collectives issued ahead of need run beside compute on this hardware."""
+        return self.hw.overlap
+
+    def edge_share(self) -> float:
+        """The share of the side collectives no compute can hide: one bucket of the
+        parameters that train (the first bucket's gathers in forward, the last bucket's
+        gradients in backward: runtime/grad_sync.py, runtime/params.py), 1 for a model
+        within one bucket (its gradients are synchronized once backward ends)."""
+        if self.graph is None:
+            return 1.0
+        if self._edge_share is None:
+            total = sum(self.nbytes(v.out_shapes[0], v.out_dtypes[0])
+                        for v in self.graph.nodes.values() if v.kind == PARAM and v.requires_grad)
+            self._edge_share = min(1.0, self.bucket_bytes / total) if total else 1.0
+        return self._edge_share
+
+    def node_split(self, node: SNode, strategy: Strategy) -> Split:
+        """`node_time` by where it runs (see Split): an op's compute on the critical path, a
+        parameter's gradient all-reduce or reduce-scatter beside backward (the runtime
+        launches each bucket when its gradients are complete: runtime/grad_sync.py,
+        runtime/zero.py); ZeRO's all-gather of the stepped shards runs before the next step,
+        on the critical path."""
+        if node.kind == PARAM:
+            side = crit = 0.0
+            for kind, _, _, t in self.grad_sync_steps(node, strategy.output, strategy.zero):
+                if kind == "all_gather":
+                    crit += t
+                else:
+                    side += t
+            return Split(0.0, crit, 0.0, side)
+        fwd, bwd = self.compute_times(node, strategy)
+        return Split(fwd, bwd, 0.0, 0.0)
+
+    def edge_split(self, graph: StrategyGraph, consumer: SNode, slot: int,
+                   src: Placements, dst: Placements) -> Split:
+        """`edge_time` by where it runs (see Split): a parameter's gathers from its storage
+        (FSDP; the runtime gathers the next bucket while the current one computes,
+        runtime/params.py) and their gradients' reduce-scatters beside compute; an
+        activation's resharding (tensor and sequence parallel) on the critical path."""
+        producer = graph.nodes[consumer.inputs[slot][0]]
+        if producer.kind != PARAM:
+            index = consumer.inputs[slot][1]
+            dtype = producer.out_dtypes[index or 0]
+            shape = consumer.in_shapes[slot]
+            whole = self.reshard_time(shape, dtype, src, dst,
+                                      producer.requires_grad and dtype.is_floating_point)
+            fwd = self.reshard_time(shape, dtype, src, dst, False)
+            return Split(fwd, whole - fwd, 0.0, 0.0)
+        try:
+            steps = self.edge_collectives(graph, consumer, slot, src, dst)
+        except ReshardError:
+            return Split(INFEASIBLE, 0.0, 0.0, 0.0)
+        return Split(0.0, 0.0, sum(t for *_, t, phase in steps if phase == "forward"),
+                     sum(t for *_, t, phase in steps if phase != "forward"))
+
     def edge_time(self, graph: StrategyGraph, consumer: SNode, slot: int,
                   src: Placements, dst: Placements) -> float:
         """Resharding seconds on input `slot` of `consumer` from `src` to `dst`, forward and
@@ -484,5 +579,6 @@ def _args_text(tree, tensor_type) -> str:
     return repr(leaves)
 
 
-__all__ = ["ALGO_FACTOR", "DRAW_FLOPS", "DUAL", "INFEASIBLE", "CostModel", "OptimizerSpec",
-           "Precision", "backward_factor", "drawn_elements", "is_view", "op_flops"]
+__all__ = ["ALGO_FACTOR", "DRAW_FLOPS", "DUAL", "INFEASIBLE", "NO_TIME", "CostModel",
+           "OptimizerSpec", "Precision", "Split", "backward_factor", "drawn_elements", "is_view",
+           "op_flops", "step_seconds"]

@@ -43,7 +43,7 @@ from autopar.passes.gathers import use_groups
 from autopar.passes.placement import Partial, R
 from autopar.passes.strategies import PARAM, SNode, StrategyGraph
 
-from .cost import INFEASIBLE, CostModel
+from .cost import INFEASIBLE, NO_TIME, CostModel, Split, step_seconds
 from .memory import plan_memory
 
 SCALE = 1e6  # seconds -> microseconds inside the solver
@@ -114,6 +114,23 @@ def node_costs(graph: StrategyGraph, cost: CostModel,
     return out
 
 
+def node_splits(graph: StrategyGraph, cost: CostModel,
+                twin: dict[str, str] | None = None) -> dict[str, list[Split]]:
+    """`node_costs` by where the seconds run (cost.Split), shared between twins alike."""
+    out = {}
+    priced: dict[tuple, list[Split]] = {}
+    for v in graph.nodes.values():
+        key = _price_key(cost, twin, v.name)
+        if key not in priced:
+            priced[key] = [cost.node_split(v, s) for s in v.strategies]
+        out[v.name] = priced[key]
+    for name, idx in ([graph.loss] if graph.loss else []):
+        v = graph.nodes[name]
+        out[name] = [sp.plus(Split(loss_sink_time(cost, v, s.out(idx), idx), 0.0, 0.0, 0.0))
+                     for sp, s in zip(out[name], v.strategies)]
+    return out
+
+
 def loss_sink_time(cost: CostModel, node: SNode, placement, idx) -> float:
     """Seconds to bring the loss to every rank. A pending-sum loss seeds the backward pass
     locally (the gradient of a pending sum is replicated) and is all-reduced only for reporting,
@@ -126,13 +143,20 @@ def loss_sink_time(cost: CostModel, node: SNode, placement, idx) -> float:
 
 def plan_time(graph: StrategyGraph, cost: CostModel, choice: dict[str, int]) -> float:
     """Predicted seconds of a complete assignment: the objective evaluated directly."""
-    t = node_costs(graph, cost)
-    total = sum(t[v][choice[v]] for v in graph.nodes)
+    return step_seconds(plan_split(graph, cost, choice), cost.overlap, cost.edge_share())[0]
+
+
+def plan_split(graph: StrategyGraph, cost: CostModel, choice: dict[str, int]) -> Split:
+    """The seconds of a complete assignment by where they run (cost.Split), summed."""
+    t = node_splits(graph, cost)
+    total = NO_TIME
+    for v in graph.nodes:
+        total = total.plus(t[v][choice[v]])
     for e in edges(graph):
         u, v = graph.nodes[e.producer], graph.nodes[e.consumer]
         src = u.strategies[choice[u.name]].out(e.out_index)
         dst = v.strategies[choice[v.name]].inputs[e.slot]
-        total += cost.edge_time(graph, v, e.slot, src, dst)
+        total = total.plus(cost.edge_split(graph, v, e.slot, src, dst))
     return total
 
 
@@ -219,11 +243,17 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     problem = _owner_problem(graph, cost, c, forced, discouraged)
     x: dict[str, list] = {}
     objective = solver.Objective()
+    split = problem.node_split is not None and not by_memory
+    side: list[tuple[object, Split]] = []  # (variable, its price by where it runs)
     for o, costs in problem.node_cost.items():
         row = []
-        for t, m in zip(costs, problem.memory[o]):
+        for k, (t, m) in enumerate(zip(costs, problem.memory[o])):
             var = solver.BoolVar("")
             price = m if by_memory else t
+            if split and t != INFEASIBLE:  # the side seconds are priced by the passes below
+                sp = problem.node_split[o][k]
+                price -= (1 - SIDE_TIEBREAK) * (sp.side_forward + sp.side_backward)
+                side.append((var, sp))
             if t == INFEASIBLE:
                 var.SetUb(0)
             elif price:
@@ -240,6 +270,10 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
                 continue
             var = solver.NumVar(0, 1, "")
             coefficient = problem.edge_memory[i].get((a, b), 0.0) if by_memory else cst
+            if split:
+                sp = problem.edge_split[i][(a, b)]
+                coefficient -= (1 - SIDE_TIEBREAK) * (sp.side_forward + sp.side_backward)
+                side.append((var, sp))
             if coefficient:
                 objective.SetCoefficient(var, coefficient * scale)
             y[(a, b)] = var
@@ -254,6 +288,8 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             solver.Add(sum(rows[a]) == sum(x[ou][k] for k in ks))
         for b, js in _classes(b_of).items():
             solver.Add(sum(cols[b]) == sum(x[ov][j] for j in js))
+    if split:
+        _overlapped_passes(solver, objective, side, scale, cost.edge_share())
     gathered = _largest_bucket(solver, problem.buckets, x, y_of)  # in GiB
     if by_memory and gathered is not None:
         objective.SetCoefficient(gathered, 1.0)
@@ -286,6 +322,13 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
                         for o, row in x.items()}
         choice = c.expand(owner_choice)
         value = objective.Value() / scale
+        if split:  # the step of the chosen prices (no tie-break; penalties taken off below)
+            total = NO_TIME
+            for var, sp in side:
+                if var.solution_value() > 1e-9:
+                    total = total.plus(sp, var.solution_value())
+            value = step_seconds(total, True, cost.edge_share())[0] + PENALTY * sum(
+                1 for n, ks in (discouraged or {}).items() if choice[n] in ks)
         if discouraged and not by_memory:
             value -= PENALTY * sum(1 for n, ks in discouraged.items() if choice[n] in ks)
         return Solution(choice, value, elapsed, backend,
@@ -332,6 +375,32 @@ def silenced_stdout():
         os.close(saved)
 
 
+# Collectives hidden under compute cost the step nothing, so plans that differ only in them
+# tie; the one that moves less wins (this share of their seconds is added to the objective,
+# not to the reported one).
+SIDE_TIEBREAK = 1e-3
+
+
+def _overlapped_passes(solver, objective, side: list[tuple[object, Split]],
+                       scale: float, edge: float) -> None:
+    """Each pass takes the longer of its critical path and the collectives beside it
+    (cost.step_seconds): the objective holds the critical seconds, and per pass a variable
+    bounded below by the side seconds less the critical ones, by the share `edge` of the side
+    seconds that nothing hides, and by 0, adds what of the side collectives is not hidden."""
+    for crit, beside in (("forward", "side_forward"), ("backward", "side_backward")):
+        if not any(getattr(sp, beside) for _, sp in side):
+            continue
+        # in thousandths of the objective's unit: CP-SAT makes continuous variables integers
+        exposed = solver.NumVar(0, solver.infinity(), f"exposed_{crit}")
+        objective.SetCoefficient(exposed, 1e-3)
+        solver.Add(exposed * 1e-3 >= sum(var * (d * scale) for var, sp in side
+                                         for d in [getattr(sp, beside) - getattr(sp, crit)]
+                                         if d))
+        if edge:
+            solver.Add(exposed * 1e-3 >= sum(var * (getattr(sp, beside) * edge * scale)
+                                             for var, sp in side if getattr(sp, beside)))
+
+
 def _largest_bucket(solver, buckets: list[list[tuple]], x: dict, y_of: dict):
     """A variable bounded below by every FSDP bucket's gathers in flight (None: no bucket
     gathers anything in any plan). A bucket is a sum of terms ("x", owner, {strategy: bytes})
@@ -372,6 +441,9 @@ class _OwnerProblem:
     # per FSDP bucket (passes/gathers.py), its gathers in flight: terms ("x", owner,
     # {strategy: bytes}) and ("y", edge block, {placement pair: bytes})
     buckets: list[list[tuple]]
+    # with overlap (cost.overlap): node_cost and edge prices by where they run (cost.Split)
+    node_split: dict[str, list[Split]] | None = None
+    edge_split: list[dict] | None = None
 
 
 def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
@@ -380,6 +452,9 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
     shares its twin's prices and edges between the same twins are priced once and counted."""
     t = node_costs(graph, cost, c.twin)
     owners = c.owners()
+    overlap = cost.overlap
+    t_split = node_splits(graph, cost, c.twin) if overlap else None
+    node_split = {o: [NO_TIME] * len(c.index[o]) for o in owners}
     node_cost = {o: [0.0] * len(c.index[o]) for o in owners}
     memory = {o: [0.0] * len(c.index[o]) for o in owners}
     node_memory: dict[tuple, list[float]] = {}
@@ -395,6 +470,8 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
                 node_cost[o][k] = INFEASIBLE
             elif node_cost[o][k] != INFEASIBLE:
                 node_cost[o][k] += t[v][j] + (PENALTY if j in penalized else 0.0)
+                if overlap:
+                    node_split[o][k] = node_split[o][k].plus(t_split[v][j])
             memory[o][k] += node_memory[tw][j]
     groups: dict[tuple, list] = {}  # edges between the same twins: [edge, count, twins' keys]
     bucket_of = use_groups(graph, cost.bucket_bytes)
@@ -418,6 +495,10 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
             p = cost.edge_time(graph, v, e.slot, a, b)
             return p if p == INFEASIBLE else p * count
 
+        def split(a, b, v=v, e=e, count=count):  # the price by where it runs
+            return NO_TIME.plus(cost.edge_split(graph, v, e.slot, a, b), count) if overlap \
+                else NO_TIME
+
         def kept(a, b, v=v, e=e, count=count):  # bytes autograd keeps of the edge's tensor
             return cost.edge_memory(graph, v, e.slot, a, b) * count
 
@@ -432,6 +513,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
         if ou == ov:  # both ends decided together: a cost per owner strategy
             for k, (a, b) in enumerate(zip(a_of, b_of)):
                 _add(node_cost[ou], k, price(a, b))
+                node_split[ou][k] = node_split[ou][k].plus(split(a, b))
                 memory[ou][k] += kept(a, b)
             if in_buckets:
                 bucketed(("x", ou, {k: held(a, b) for k, (a, b) in enumerate(zip(a_of, b_of))}))
@@ -443,10 +525,11 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
             for a, ks in a_cls.items():
                 for b, js in b_cls.items():
                     idxs = js if len(a_cls) == 1 else ks
-                    p, m = price(a, b), kept(a, b)
+                    p, m, sp = price(a, b), kept(a, b), split(a, b)
                     g = held(a, b) if in_buckets else 0.0
                     for k in idxs:
                         _add(node_cost[owner], k, p)
+                        node_split[owner][k] = node_split[owner][k].plus(sp)
                         memory[owner][k] += m
                         gathers[k] = g
             if in_buckets:
@@ -456,12 +539,13 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
         if in_buckets:
             bucketed(("y", len(blocks), {ab: held(*ab) for ab in pairs}))
         blocks.append((ou, ov, a_of, b_of, {ab: price(*ab) for ab in pairs},
-                       {ab: kept(*ab) for ab in pairs}))
+                       {ab: kept(*ab) for ab in pairs}, {ab: split(*ab) for ab in pairs}))
     merged, where = _merge_blocks(blocks)
     terms = [[(kind, where[at] if kind == "y" else at, held) for kind, at, held in bucket]
              for _, bucket in sorted(buckets.items())]
     return _OwnerProblem(node_cost, memory, [b[:5] for b in merged], [b[5] for b in merged],
-                         terms)
+                         terms, node_split if overlap else None,
+                         [b[6] for b in merged] if overlap else None)
 
 
 def _recompute_key(cost: CostModel, v: str) -> tuple:
@@ -485,16 +569,17 @@ def _merge_blocks(blocks: list) -> tuple[list, list[int]]:
     """Edge blocks between the same owners with the same placements become one block; also
     the merged block of each given one."""
     out, where, merged_at = [], {}, []
-    for ou, ov, a_of, b_of, price, kept in blocks:
+    for ou, ov, a_of, b_of, price, kept, split in blocks:
         key = (ou, ov, tuple(a_of), tuple(b_of))
         if key in where:
-            merged, merged_kept = out[where[key]][4:6]
+            merged, merged_kept, merged_split = out[where[key]][4:7]
             for ab, p in price.items():
                 merged[ab] = INFEASIBLE if INFEASIBLE in (p, merged[ab]) else merged[ab] + p
                 merged_kept[ab] += kept[ab]
+                merged_split[ab] = merged_split[ab].plus(split[ab])
         else:
             where[key] = len(out)
-            out.append((ou, ov, a_of, b_of, dict(price), dict(kept)))
+            out.append((ou, ov, a_of, b_of, dict(price), dict(kept), dict(split)))
         merged_at.append(where[key])
     return out, merged_at
 

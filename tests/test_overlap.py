@@ -1,0 +1,108 @@
+"""Collectives beside compute: on GPUs the runtime's FSDP gathers and gradient buckets run on
+their own stream and hide under compute; the cost model prices only what is exposed."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar
+from autopar.passes import strategies
+from autopar.passes.trace import trace, trace_example
+from autopar.solver.cost import CostModel, Split, step_seconds
+from autopar.solver.ilp import plan_split, plan_time, solve
+from autopar.timeline import step_segments
+from autopar.zoo import hf_llama, lm_loss
+from tests.models import MLP
+
+
+def test_a_pass_takes_the_longer_of_its_compute_and_its_side_collectives():
+    total = Split(forward=3.0, backward=6.0, side_forward=2.0, side_backward=8.0)
+    assert step_seconds(total, overlap=False) == (19.0, 0.0, 0.0)
+    assert step_seconds(total, overlap=True) == (3.0 + 8.0, 2.0, 6.0)
+    # a tenth of the side collectives (the first and last buckets) has nothing to hide under
+    step, hidden_f, hidden_b = step_seconds(total, overlap=True, edge=0.1)
+    assert (hidden_f, hidden_b) == pytest.approx((1.8, 6.0))
+    assert step == pytest.approx(3.2 + 8.0)
+
+
+def _llama(layers=2):
+    with torch.device("meta"):
+        model = hf_llama(num_hidden_layers=layers, vocab_size=32000,
+                         max_position_embeddings=4096, hidden_size=2048,
+                         num_attention_heads=16, num_key_value_heads=8, intermediate_size=5632)
+    ids = torch.randint(0, 32000, (8, 2048), device="meta")
+    return model, (ids, ids)
+
+
+def test_fsdp_gathers_and_reduce_scatters_hide_under_compute_on_gpus():
+    """FSDP on 8 H100s: the gathers and reduce-scatters are priced and listed in full, and the
+    step is shorter than compute plus communication by what hides; each pass hides no more
+    than its compute; the timeline's segments add up to the step with the hidden part
+    apart."""
+    model, example = _llama()
+    plan = autopar.plan(model, autopar.MeshSpec((8,), hardware="h100"), example,
+                        loss_fn=lm_loss, force="fsdp")
+    cost = plan.cost
+    hidden = sum(cost.hidden.values())
+    assert hidden > 0.5 * cost.communication_total
+    assert set(cost.hidden) <= {"all_gather", "reduce_scatter", "gradient_sync"}
+    assert cost.step_time == pytest.approx(cost.compute + cost.communication_total - hidden)
+    assert cost.step_time >= max(cost.compute, cost.communication_total)
+    assert cost.step_time == pytest.approx(cost.solver_objective, rel=1e-6)
+    segments = step_segments(plan)
+    assert sum(s.seconds for s in segments) == pytest.approx(cost.step_time)
+    assert sum(s.hidden for s in segments) == pytest.approx(hidden)
+    assert "hidden under compute" in plan.table()
+
+
+def test_tensor_parallel_collectives_stay_on_the_critical_path():
+    model, example = _llama()
+    plan = autopar.plan(model, autopar.MeshSpec((8,), hardware="h100"), example,
+                        loss_fn=lm_loss, force="tensor")
+    assert plan.cost.communication["all_reduce"] + plan.cost.communication["reduce_scatter"] \
+        + plan.cost.communication["all_gather"] > 0
+    assert not set(plan.cost.hidden) - {"gradient_sync"}
+
+
+def test_a_model_within_one_bucket_hides_nothing():
+    """Its gradients are synchronized in one bucket once backward ends."""
+    torch.manual_seed(0)
+    model = MLP([128, 128, 128])
+    x, y = torch.randn(1024, 128), torch.randint(0, 128, (1024,))
+    plan = autopar.plan(model, autopar.MeshSpec((4,), hardware="h100"), (x, y),
+                        loss_fn=F.cross_entropy, force="data")
+    assert plan.cost.communication["gradient_sync"] > 0 and not plan.cost.hidden
+
+
+def test_gloo_on_cpus_adds_every_collective():
+    model, example = _llama()
+    plan = autopar.plan(model, autopar.MeshSpec((8,), hardware="cpu"), example,
+                        loss_fn=lm_loss, force="fsdp")
+    assert not plan.cost.hidden
+    assert plan.cost.step_time == pytest.approx(plan.cost.compute
+                                                + plan.cost.communication_total)
+
+
+def test_the_solvers_optimum_is_its_plans_overlapped_price():
+    """The ILP's objective (critical seconds plus each pass's exposed side seconds) is the
+    step of the plan it returns, shorter than the same plan with every collective added."""
+    model, example = _llama()
+    program = trace(model, example[:1], lm_loss, example[1])
+    graph = strategies.build(program, (8,))
+    cost = CostModel(autopar.MeshSpec((8,), hardware="h100"), graph=graph)
+    sol = solve(graph, cost)
+    assert plan_time(graph, cost, sol.choice) == pytest.approx(sol.objective, rel=1e-6)
+    total = plan_split(graph, cost, sol.choice)
+    assert total.side_backward > 0  # parameters synchronized or gathered beside compute
+    assert step_seconds(total, False)[0] > sol.objective
+
+
+def test_edge_share_is_one_bucket_of_what_trains():
+    torch.manual_seed(0)
+    model = MLP([256, 256, 256])
+    x, y = torch.randn(64, 256), torch.randint(0, 256, (64,))
+    graph = strategies.build(trace_example(model, (x, y), F.cross_entropy), (4,))
+    params = 2 * (256 * 256 + 256) * 4
+    assert CostModel(autopar.MeshSpec((4,), hardware="h100"), graph=graph,
+                     bucket_bytes=params / 4).edge_share() == pytest.approx(0.25)
+    assert CostModel(autopar.MeshSpec((4,), hardware="h100"), graph=graph).edge_share() == 1.0
