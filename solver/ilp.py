@@ -99,35 +99,31 @@ def node_costs(graph: StrategyGraph, cost: CostModel,
     """t[v,s]: compute (+ gradient sync) seconds of every strategy, plus the loss's final
     resharding to Replicate. Nodes with a `twin` (an identical node of an earlier repeated
     layer) share the prices of the first of them recomputed alike."""
-    out = {}
-    priced: dict[tuple, list[float]] = {}
-    for v in graph.nodes.values():
-        key = _price_key(cost, twin, v.name)
-        if key not in priced:
-            priced[key] = [cost.node_time(v, s) for s in v.strategies]
-        out[v.name] = priced[key]
-    for name, idx in ([graph.loss] if graph.loss else []):
-        v = graph.nodes[name]
-        out[name] = list(out[name])  # its own: the loss alone pays the final resharding
-        for k, s in enumerate(v.strategies):
-            out[name][k] += loss_sink_time(cost, v, s.out(idx), idx)
-    return out
+    return _node_prices(graph, cost, twin, cost.node_time, lambda t, sink: t + sink)
 
 
 def node_splits(graph: StrategyGraph, cost: CostModel,
                 twin: dict[str, str] | None = None) -> dict[str, list[Split]]:
     """`node_costs` by where the seconds run (cost.Split), shared between twins alike."""
+    return _node_prices(graph, cost, twin, cost.node_split,
+                        lambda sp, sink: sp.plus(Split(sink, 0.0, 0.0, 0.0)))
+
+
+def _node_prices(graph: StrategyGraph, cost: CostModel, twin: dict[str, str] | None,
+                 price, with_sink) -> dict[str, list]:
+    """`price(node, strategy)` of every strategy, shared between twins alike; the loss's
+    prices `with_sink(price, seconds of its final resharding)`."""
     out = {}
-    priced: dict[tuple, list[Split]] = {}
+    priced: dict[tuple, list] = {}
     for v in graph.nodes.values():
         key = _price_key(cost, twin, v.name)
         if key not in priced:
-            priced[key] = [cost.node_split(v, s) for s in v.strategies]
+            priced[key] = [price(v, s) for s in v.strategies]
         out[v.name] = priced[key]
     for name, idx in ([graph.loss] if graph.loss else []):
-        v = graph.nodes[name]
-        out[name] = [sp.plus(Split(loss_sink_time(cost, v, s.out(idx), idx), 0.0, 0.0, 0.0))
-                     for sp, s in zip(out[name], v.strategies)]
+        v = graph.nodes[name]  # its own prices: the loss alone pays the final resharding
+        out[name] = [with_sink(p, loss_sink_time(cost, v, s.out(idx), idx))
+                     for p, s in zip(out[name], v.strategies)]
     return out
 
 
