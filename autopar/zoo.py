@@ -4,8 +4,15 @@ plan and train.
 - `GPT`: a whole GPT in one short class, nanoGPT style: token + position embedding, pre-LayerNorm
   blocks with causal scaled-dot-product attention and a GELU MLP, and an LM head tied to the
   embedding (`GPTConfig.tie_weights`); `lm_loss` is its next-token loss.
+- `Llama3`: torchtitan's Llama 3 in one short class (RMSNorm, rotary positions, grouped-query
+  attention by causal SDPA, SwiGLU, an untied output layer), with torchtitan's sizes
+  (`Llama3Config`; `LLAMA3["8B"]`, `LLAMA3["70B"]`).
 - `hf_gpt2`, `hf_llama`: Hugging Face GPT-2 and Llama built from a config (the `transformers`
   package is needed for these only), wrapped so that forward(input_ids) returns the logits.
+  Traced, Hugging Face's attention passes SDPA an explicit causal mask (it skips the mask
+  only when not tracing), which GPUs run with the memory-efficient kernel over every block;
+  `Llama3` calls SDPA with `is_causal=True`, as torchtitan does (the flash kernel, masked
+  blocks skipped).
 """
 
 import math
@@ -107,6 +114,96 @@ class GPT(nn.Module):
             x = block(x)
         x = self.ln_f(x)
         return self.lm_head(x)
+
+
+@dataclass
+class Llama3Config:
+    """torchtitan's Llama 3 sizes (its model args' names)."""
+
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    vocab_size: int = 128
+    ffn_dim: int = 128
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+
+
+LLAMA3 = {
+    "8B": Llama3Config(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                       ffn_dim=14336),
+    "70B": Llama3Config(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                        ffn_dim=28672),
+}
+
+
+class _Llama3Attention(nn.Module):
+    def __init__(self, c: Llama3Config):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.dim // c.n_heads
+        self.wq = nn.Linear(c.dim, c.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(c.dim, c.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(c.n_heads * self.head_dim, c.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.kv_heads, self.head_dim)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        rep = self.heads // self.kv_heads
+        k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def _rotate(x, cos, sin):
+    """Rotary positions on (B, T, heads, head_dim), pairs as (first half, second half), in
+    the angles' precision and back to x's (as torchtitan does)."""
+    a, b = x.float().chunk(2, dim=-1)
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).to(x.dtype)
+
+
+class _Llama3Block(nn.Module):
+    def __init__(self, c: Llama3Config):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
+        self.attention = _Llama3Attention(c)
+        self.ffn_norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
+        self.w1 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.w2 = nn.Linear(c.ffn_dim, c.dim, bias=False)
+        self.w3 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama3(nn.Module):
+    """torchtitan's Llama 3 (torchtitan/models/llama3/model): forward(tokens) -> logits."""
+
+    def __init__(self, config: Llama3Config):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList([_Llama3Block(config) for _ in range(config.n_layers)])
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def forward(self, tokens):
+        c = self.config
+        half = c.dim // c.n_heads // 2
+        freqs = c.rope_theta ** (-torch.arange(half, device=tokens.device) / half)
+        angles = torch.arange(tokens.shape[1], device=tokens.device)[:, None] * freqs
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # (T, 1, half)
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
 
 
 def lm_loss(logits, targets):

@@ -67,6 +67,9 @@ def build(name):
     elif name == "hf_gpt2_dropout":  # embedding, residual and attention (SDPA) dropout
         model = zoo.hf_gpt2(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
                             dropout=0.2)
+    elif name == "llama3":  # torchtitan's Llama 3: causal SDPA, rotary positions, GQA
+        model = zoo.Llama3(zoo.Llama3Config(dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                            vocab_size=64, ffn_dim=64))
     elif name == "hf_llama":
         model = zoo.hf_llama(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                              num_key_value_heads=2, intermediate_size=64, vocab_size=64,

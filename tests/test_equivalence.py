@@ -58,6 +58,14 @@ def test_four_ranks(world4, model, force):
     _check_style(plan, force)
 
 
+@pytest.mark.parametrize("force", [None, {"dp": "fsdp", "tp": "tensor"}],
+                         ids=["solver", "fsdp-tensor"])
+def test_torchtitan_llama3_two_by_two(world4, force):
+    """The Llama 3 the torchtitan comparison plans (autopar.zoo.Llama3)."""
+    plan = world4.run(rank_tasks.train_equivalence, "llama3", (2, 2), force)[0]
+    _check_style(plan, force)
+
+
 MOE = ["moe_loop", "moe_grouped", "hf_mixtral", "hf_mixtral_grouped"]
 # every 2-D style for the dense models; the solver's plan and FSDP x tensor parallel for the
 # mixtures of experts

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from autopar.zoo import GPT, GPTConfig, hf_gpt2, hf_llama, lm_loss
+from autopar.zoo import GPT, GPTConfig, Llama3, Llama3Config, hf_gpt2, hf_llama, lm_loss
 from tests.models import MLP, ResidualMLP
 
 B, T, V = 2, 16, 128
@@ -23,6 +23,7 @@ CASES = {
     "gpt": (lambda: GPT(GPTConfig()), _tokens, (B, T, V)),
     "hf_gpt2": (hf_gpt2, _tokens, (B, T, V)),
     "hf_llama": (hf_llama, _tokens, (B, T, V)),
+    "llama3": (lambda: Llama3(Llama3Config()), _tokens, (B, T, V)),
 }
 
 

@@ -1,0 +1,183 @@
+"""Predicted against published: torchtitan's Llama 3.1 throughput on H100s, planned by autopar.
+
+torchtitan publishes tokens per second per GPU for hand-written setups (its
+benchmarks/llama3_h100_202412_torchtitan.md, torchtitan 9dec370 with torch 1963fc8, December
+2024; configs train_configs/llama3_8b.toml and llama3_70b.toml at that commit: sequence 8192,
+AdamW, bf16 parameters with float32 gradient reduction). Their GPUs are Grand Teton H100s with
+96 GB of HBM2e at 2.4 TB/s and a 500 W power limit (an SXM H100 is 80 GB of HBM3 at 3.35 TB/s
+and 700 W); hosts of 8 over NVLink, 400 Gb/s RDMA per GPU between hosts.
+
+For each published setup autopar plans the same model shape, batch, sequence and mesh, forced
+to the same configuration (FSDP, or FSDP x tensor parallel; the same recomputation;
+bf16-mixed), prices it on an H100 profile with that memory, and reports predicted tokens/s/GPU
+against the published figure. Then it plans freely on the same GPUs (`autopar.Cluster`: the
+mesh, the strategies, recomputation and microbatches are the solver's) and reports what it
+predicts and what it chose.
+
+    python -m benchmarks.torchtitan_compare              # all rows (about 5 minutes)
+    python -m benchmarks.torchtitan_compare --rows 8b-8 --no-free
+
+The configuration includes torchtitan's op-level selective checkpointing, which also
+recomputes every second matmul of a block where autopar's selective recomputation keeps every
+product: its extra seconds are added (`op_sac_extra`). The hardware is priced as the source
+describes it (`GRAND_TETON`). Caveat the table carries: the 70B row was published only with
+torch.compile and Float8 linears (autopar prices eager bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+
+import autopar
+from autopar.hardware import GB, H100, GiB
+from autopar.zoo import LLAMA3, Llama3, lm_loss
+
+SOURCE = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+
+# Grand Teton's H100: 96 GB of HBM2e at 2.4 TB/s, the SXM part's links; its peak is
+# "between SXM and NVL" (the source's footnote 2: the 500 W part's clocks): the midpoint of
+# the SXM's 989.4 and the NVL's 835.5 dense bf16 TFLOP/s (NVIDIA H100 datasheet).
+PEAK_SHARE = (989.4 + 835.5) / 2 / 989.4
+GRAND_TETON = dataclasses.replace(
+    H100, name="h100-hbm2e-96gb-500w", memory_bandwidth=2.4e12, memory=96 * GB,
+    flops={k: v * PEAK_SHARE for k, v in H100.flops.items()},
+    attention={k: tuple((n, r * PEAK_SHARE) for n, r in v) for k, v in H100.attention.items()})
+PRODUCTS = ("linear", "mm", "matmul", "addmm", "bmm")
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    key: str
+    model: str
+    mesh: tuple[int, ...]
+    names: tuple[str, ...]
+    force: dict
+    local_batch: int          # sequences per data-parallel rank
+    recompute: str
+    published: float          # tokens/s/GPU
+    memory: float             # GiB, published
+    where: str                # table and row of SOURCE
+    note: str = ""
+
+    @property
+    def gpus(self) -> int:
+        n = 1
+        for s in self.mesh:
+            n *= s
+        return n
+
+    @property
+    def global_batch(self) -> int:
+        return self.local_batch * self.mesh[0]
+
+
+SETUPS = [
+    Setup("8b-8", "8B", (8,), ("dp",), {"dp": "fsdp"}, 2, "selective", 5762, 82.4,
+          "Table 1, FSDP (eager, bf16)"),
+    Setup("8b-128", "8B", (128,), ("dp",), {"dp": "fsdp"}, 2, "selective", 5605, 67.0,
+          "Table 3, FSDP (eager, bf16)"),
+    Setup("70b-256", "70B", (32, 8), ("dp", "tp"), {"dp": "fsdp", "tp": "tensor"}, 16, "full",
+          829, 71.9, "Table 4, 2D (torch.compile + Float8)",
+          "published with torch.compile and Float8 linears; on 8B those two gave 1.48x "
+          "eager bf16 (Table 1: 8,532 vs 5,762)"),
+]
+SEQ = 8192
+
+
+def build(setup: Setup):
+    """(meta-device model, token batch) of a setup: torchtitan's Llama 3 (autopar.zoo.Llama3,
+    causal SDPA as torchtitan calls it) at its sizes."""
+    with torch.device("meta"):
+        model = Llama3(LLAMA3[setup.model])
+    ids = torch.empty(setup.global_batch, SEQ, dtype=torch.long, device="meta")
+    return model, ids
+
+
+def op_sac_extra(plan) -> float:
+    """Seconds torchtitan's op-level selective checkpointing spends that autopar's selective
+    recomputation does not: it saves the output of only every second matmul of a
+    transformer block (`_save_list` and `mm_count` in torchtitan's parallelize_llama.py), so
+    backward runs half of the blocks' products' forward again (a product's forward is a
+    third of its forward and backward)."""
+    products = [o.time for o in plan.ops if o.op.split(".")[0] in PRODUCTS
+                and ".layers." in f".{o.module}"]
+    return 0.5 * sum(products) / 3 * plan.accumulation
+
+
+def step_time(plan, setup: Setup) -> float:
+    """The predicted step of `setup`'s configuration: the plan's, plus what torchtitan's
+    selective checkpointing recomputes beyond autopar's."""
+    return plan.cost.step_time + (op_sac_extra(plan) if setup.recompute == "selective" else 0)
+
+
+def tokens_per_gpu(plan, setup: Setup, step: float | None = None) -> float:
+    """Predicted tokens per second per GPU of a plan of `setup`'s batch."""
+    return setup.global_batch * SEQ / (step or plan.cost.step_time) / setup.gpus
+
+
+def describe(plan) -> str:
+    """Mesh, styles, recomputation and microbatches of a plan, in a few words."""
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh.names, plan.mesh.shape))
+    micro = plan.pipeline.microbatches if plan.pipeline is not None else plan.accumulation
+    hidden = sum(plan.cost.hidden.values())
+    return (f"{mesh}; recompute {plan.recompute.mode}; {micro} microbatch(es); "
+            f"{plan.cost.peak_memory / GiB:.1f} GiB; compute {plan.cost.compute:.2f} s, "
+            f"communication {plan.cost.communication_total:.2f} s "
+            f"({hidden:.2f} s hidden)")
+
+
+def run(setup: Setup, free: bool) -> list[str]:
+    model, ids = build(setup)
+    start = time.perf_counter()
+    spec = autopar.MeshSpec(setup.mesh, names=setup.names, hardware=GRAND_TETON)
+    # torchtitan ran it, so it fits: no budget (the plan's peak is reported next to theirs)
+    forced = autopar.plan(model, spec, (ids, ids), loss_fn=lm_loss, precision="bf16-mixed",
+                          force=setup.force, recompute=setup.recompute, microbatches=1,
+                          memory_budget=float("inf"), time_limit=120)
+    secs = time.perf_counter() - start
+    predicted = tokens_per_gpu(forced, setup, step_time(forced, setup))
+    out = [f"| {setup.model} | {setup.gpus} | {setup.where} | {setup.local_batch} x {SEQ} | "
+           f"{setup.recompute} | {setup.published:,.0f} | {predicted:,.0f} | "
+           f"{predicted / setup.published:.2f} | {setup.memory} GiB published; "
+           f"{describe(forced)}; planned in {secs:.0f} s |"
+           + (f" {setup.note}" if setup.note else "")]
+    if free:
+        start = time.perf_counter()
+        best = autopar.plan(model, autopar.Cluster(setup.gpus, hardware=GRAND_TETON),
+                            (ids, ids), loss_fn=lm_loss, precision="bf16-mixed",
+                            time_limit=120)
+        secs = time.perf_counter() - start
+        ranking = ", ".join(
+            f"{'x'.join(map(str, r['shape']))} "
+            + (f"{r['step_time']:.2f} s" if r["step_time"] is not None else "no plan")
+            for r in best.mesh_search)
+        out.append(f"| {setup.model} | {setup.gpus} | autopar, free | {setup.global_batch} "
+                   f"sequences | {best.recompute.mode} | | {tokens_per_gpu(best, setup):,.0f} | "
+                   f"{tokens_per_gpu(best, setup) / setup.published:.2f} | {describe(best)}; "
+                   f"searched in {secs:.0f} s ({ranking}) |")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default=",".join(s.key for s in SETUPS),
+                    help=f"of {', '.join(s.key for s in SETUPS)}")
+    ap.add_argument("--no-free", action="store_true", help="skip the solver's free plans")
+    args = ap.parse_args()
+    print(f"Source: {SOURCE}; hardware profile {GRAND_TETON.name} (the H100 profile with "
+          f"96 GB at 2.4 TB/s, {PEAK_SHARE:.3f} of its peak); bf16-mixed AdamW, sequence "
+          "8192.\n")
+    print("| model | GPUs | setup | batch per dp rank | recompute | published tok/s/GPU | "
+          "predicted | ratio | plan |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key in args.rows.split(","):
+        setup = next(s for s in SETUPS if s.key == key)
+        for line in run(setup, not args.no_free):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
