@@ -241,14 +241,15 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     objective = solver.Objective()
     split = problem.node_split is not None and not by_memory
     side: list[tuple[object, Split]] = []  # (variable, its price by where it runs)
+    edge = cost.edge_share() if split else 0.0
     for o, costs in problem.node_cost.items():
         row = []
         for k, (t, m) in enumerate(zip(costs, problem.memory[o])):
             var = solver.BoolVar("")
             price = m if by_memory else t
-            if split and t != INFEASIBLE:  # the side seconds are priced by the passes below
+            if split and t != INFEASIBLE:  # side seconds: only their unhidden share
                 sp = problem.node_split[o][k]
-                price -= (1 - SIDE_TIEBREAK) * (sp.side_forward + sp.side_backward)
+                price -= (1 - SIDE_TIEBREAK - edge) * (sp.side_forward + sp.side_backward)
                 side.append((var, sp))
             if t == INFEASIBLE:
                 var.SetUb(0)
@@ -268,7 +269,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             coefficient = problem.edge_memory[i].get((a, b), 0.0) if by_memory else cst
             if split:
                 sp = problem.edge_split[i][(a, b)]
-                coefficient -= (1 - SIDE_TIEBREAK) * (sp.side_forward + sp.side_backward)
+                coefficient -= (1 - SIDE_TIEBREAK - edge) * (sp.side_forward + sp.side_backward)
                 side.append((var, sp))
             if coefficient:
                 objective.SetCoefficient(var, coefficient * scale)
@@ -284,8 +285,6 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             solver.Add(sum(rows[a]) == sum(x[ou][k] for k in ks))
         for b, js in _classes(b_of).items():
             solver.Add(sum(cols[b]) == sum(x[ov][j] for j in js))
-    if split:
-        _overlapped_passes(solver, objective, side, scale, cost.edge_share())
     gathered = _largest_bucket(solver, problem.buckets, x, y_of)  # in GiB
     if by_memory and gathered is not None:
         objective.SetCoefficient(gathered, 1.0)
@@ -297,7 +296,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, gap)
 
-    def run() -> Solution:
+    def solved() -> Solution:
         with silenced_stdout():
             status = solver.Solve(params)
         elapsed = time.perf_counter() - start
@@ -319,17 +318,42 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
         choice = c.expand(owner_choice)
         value = objective.Value() / scale
         if split:  # the step of the chosen prices (no tie-break; penalties taken off below)
-            total = NO_TIME
-            for var, sp in side:
-                if var.solution_value() > 1e-9:
-                    total = total.plus(sp, var.solution_value())
-            value = step_seconds(total, True, cost.edge_share())[0] + PENALTY * sum(
+            value = step_seconds(chosen(), True, edge)[0] + PENALTY * sum(
                 1 for n, ks in (discouraged or {}).items() if choice[n] in ks)
         if discouraged and not by_memory:
             value -= PENALTY * sum(1 for n, ks in discouraged.items() if choice[n] in ks)
         return Solution(choice, value, elapsed, backend,
                         "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
                         solver.NumVariables(), solver.NumConstraints())
+
+    def chosen() -> Split:  # the prices of the solution, summed by where they run
+        total = NO_TIME
+        for var, sp in side:
+            if var.solution_value() > 1e-9:
+                total = total.plus(sp, var.solution_value())
+        return total
+
+    exact = [False]
+
+    def run() -> Solution:
+        """The ILP solved with every side second hidden but the unhidden share: a lower bound
+        of the step, and its optimum when the plan's side collectives do fit under its
+        compute in each pass; otherwise solved again with each pass's longer side priced
+        exactly (the rows of `_overlapped_passes`)."""
+        sol = solved()
+        if not split or exact[0]:
+            return sol
+        total = chosen()
+        if total.side_forward - total.forward <= edge * total.side_forward + 1e-12 and \
+                total.side_backward - total.backward <= edge * total.side_backward + 1e-12:
+            return sol
+        exact[0] = True
+        for var, sp in side:
+            if sp.side_forward or sp.side_backward:
+                objective.SetCoefficient(var, objective.GetCoefficient(var) - edge * scale * (
+                    sp.side_forward + sp.side_backward))
+        _overlapped_passes(solver, objective, side, scale, edge)
+        return solved()
 
     if memory_budget is None or by_memory or memory_budget == float("inf"):
         return run()
@@ -446,10 +470,11 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
                    discouraged) -> _OwnerProblem:
     """Aggregate node and edge costs onto owners. Repeated layers are priced once: a node
     shares its twin's prices and edges between the same twins are priced once and counted."""
-    t = node_costs(graph, cost, c.twin)
-    owners = c.owners()
     overlap = cost.overlap
     t_split = node_splits(graph, cost, c.twin) if overlap else None
+    t = {v: [sum(sp) for sp in splits] for v, splits in t_split.items()} if overlap \
+        else node_costs(graph, cost, c.twin)
+    owners = c.owners()
     node_split = {o: [NO_TIME] * len(c.index[o]) for o in owners}
     node_cost = {o: [0.0] * len(c.index[o]) for o in owners}
     memory = {o: [0.0] * len(c.index[o]) for o in owners}

@@ -106,3 +106,30 @@ def test_edge_share_is_one_bucket_of_what_trains():
     assert CostModel(autopar.MeshSpec((4,), hardware="h100"), graph=graph,
                      bucket_bytes=params / 4).edge_share() == pytest.approx(0.25)
     assert CostModel(autopar.MeshSpec((4,), hardware="h100"), graph=graph).edge_share() == 1.0
+
+
+def test_the_ilp_prices_a_pass_whose_collectives_outlast_its_compute_exactly():
+    """Slow links under overlap (a made-up profile), small buckets: the relaxed solve's plan
+    (every side second hidden but the unhidden share) has side collectives outlasting its
+    compute, so the solver prices each pass exactly and solves again; its answer equals
+    enumeration (it balances the side collectives against compute)."""
+    import dataclasses
+
+    from tests.test_solver_properties import brute_force
+
+    slow = dataclasses.replace(autopar.CPU, name="slow-overlapped", overlap=True,
+                               intra_node=dataclasses.replace(autopar.CPU.intra_node,
+                                                              bandwidth=2e6))
+    torch.manual_seed(0)
+    model = MLP([32, 32, 32], activation="relu")
+    x, y = torch.randn(64, 32), torch.randint(0, 32, (64,))
+    graph = strategies.build(trace(model, (x,), F.cross_entropy, y), (2,))
+    cost = CostModel(autopar.MeshSpec((2,), hardware=slow), bucket_bytes=1024, graph=graph)
+    sol = solve(graph, cost)
+    assert cost.edge_share() < 0.2
+    # the exact rows were added (the same problem without overlap has none)
+    plain = CostModel(autopar.MeshSpec((2,), hardware=autopar.CPU), bucket_bytes=1024,
+                      graph=graph)
+    assert sol.num_constraints > solve(graph, plain).num_constraints
+    assert sol.objective == pytest.approx(brute_force(graph, cost), rel=1e-6)
+    assert plan_time(graph, cost, sol.choice) == pytest.approx(sol.objective, rel=1e-6)
