@@ -203,7 +203,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
           forced: dict[str, list[int]] | None = None,
           discouraged: dict[str, list[int]] | None = None,
           clustering: Clustering | None = None, minimize: str = "time",
-          unbounded_only: bool = False) -> Solution:
+          unbounded_only: bool = False, exact_overlap: bool = False) -> Solution:
     """Solve the intra-op ILP. `forced` restricts nodes to the listed strategy indices;
     `discouraged` strategies carry a penalty of PENALTY seconds each (reported objectives
     exclude it); `clustering` (passes.cluster) says which nodes share decisions.
@@ -242,6 +242,8 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     split = problem.node_split is not None and not by_memory
     side: list[tuple[object, Split]] = []  # (variable, its price by where it runs)
     edge = cost.edge_share() if split else 0.0
+    # relaxed (the first solve): side seconds priced at their unhidden share only
+    relaxed = edge if split and not exact_overlap else 0.0
     for o, costs in problem.node_cost.items():
         row = []
         for k, (t, m) in enumerate(zip(costs, problem.memory[o])):
@@ -249,7 +251,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             price = m if by_memory else t
             if split and t != INFEASIBLE:  # side seconds: only their unhidden share
                 sp = problem.node_split[o][k]
-                price -= (1 - SIDE_TIEBREAK - edge) * (sp.side_forward + sp.side_backward)
+                price -= (1 - SIDE_TIEBREAK - relaxed) * (sp.side_forward + sp.side_backward)
                 side.append((var, sp))
             if t == INFEASIBLE:
                 var.SetUb(0)
@@ -269,7 +271,8 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             coefficient = problem.edge_memory[i].get((a, b), 0.0) if by_memory else cst
             if split:
                 sp = problem.edge_split[i][(a, b)]
-                coefficient -= (1 - SIDE_TIEBREAK - edge) * (sp.side_forward + sp.side_backward)
+                coefficient -= (1 - SIDE_TIEBREAK - relaxed) * (
+                    sp.side_forward + sp.side_backward)
                 side.append((var, sp))
             if coefficient:
                 objective.SetCoefficient(var, coefficient * scale)
@@ -285,6 +288,8 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
             solver.Add(sum(rows[a]) == sum(x[ou][k] for k in ks))
         for b, js in _classes(b_of).items():
             solver.Add(sum(cols[b]) == sum(x[ov][j] for j in js))
+    if split and exact_overlap:
+        _overlapped_passes(solver, objective, side, scale, edge)
     gathered = _largest_bucket(solver, problem.buckets, x, y_of)  # in GiB
     if by_memory and gathered is not None:
         objective.SetCoefficient(gathered, 1.0)
@@ -333,36 +338,42 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
                 total = total.plus(sp, var.solution_value())
         return total
 
-    exact = [False]
-
     def run() -> Solution:
-        """The ILP solved with every side second hidden but the unhidden share: a lower bound
-        of the step, and its optimum when the plan's side collectives do fit under its
-        compute in each pass; otherwise solved again with each pass's longer side priced
-        exactly (the rows of `_overlapped_passes`)."""
-        sol = solved()
-        if not split or exact[0]:
+        return solved()
+
+    def refined(sol: Solution) -> Solution:
+        """With overlap the solves above are relaxed: every side second hidden but the
+        unhidden share, a lower bound of the step, and its optimum when the plan's side
+        collectives do fit under its compute in each pass. Otherwise the ILP is solved again
+        from scratch with each pass's longer side priced exactly (the rows of
+        `_overlapped_passes`, under the budget; slower: EXACT_SECONDS at most), and its plan
+        taken when it is faster and fits; the relaxed plan (its step priced exactly) stays
+        when that solve finds nothing better in its time."""
+        if not split or exact_overlap or sol.status.startswith("greedy"):
             return sol
         total = chosen()
         if total.side_forward - total.forward <= edge * total.side_forward + 1e-12 and \
                 total.side_backward - total.backward <= edge * total.side_backward + 1e-12:
             return sol
-        exact[0] = True
-        for var, sp in side:
-            if sp.side_forward or sp.side_backward:
-                objective.SetCoefficient(var, objective.GetCoefficient(var) - edge * scale * (
-                    sp.side_forward + sp.side_backward))
-        _overlapped_passes(solver, objective, side, scale, edge)
-        return solved()
+        try:
+            better = solve(graph, cost, memory_budget, backend, min(time_limit, EXACT_SECONDS),
+                           gap, forced, discouraged, clustering, minimize, exact_overlap=True)
+        except NoFeasiblePlan:
+            return sol
+        fits = memory_budget is None or memory_budget == float("inf") or \
+            plan_memory(graph, cost, better.choice) <= memory_budget
+        if better.status.startswith("greedy") or not fits or better.objective > sol.objective:
+            return sol
+        return better
 
     if memory_budget is None or by_memory or memory_budget == float("inf"):
-        return run()
+        return refined(run())
     # Without the budget first: several times faster, and when that plan fits, no plan that
     # fits is faster.
     sol = run()
     peak = plan_memory(graph, cost, sol.choice)
     if peak <= memory_budget:
-        return sol
+        return refined(sol)
     if unbounded_only:
         raise NoFeasiblePlan(f"the fastest plan ({peak / 2**30:.3f} GiB per device) does not "
                              f"fit the budget of {memory_budget / 2**30:.3f} GiB",
@@ -372,7 +383,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
                + sum(var * (problem.edge_memory[i][ab] * GIB) for i, ab, var in y_terms
                      if problem.edge_memory[i].get(ab))
                + (gathered if gathered is not None else 0) <= memory_budget * GIB)
-    return run()
+    return refined(run())
 
 
 @contextlib.contextmanager
@@ -395,6 +406,10 @@ def silenced_stdout():
         os.close(saved)
 
 
+# Seconds the exact overlap solve may take (its max rows make HiGHS's bound weak: Llama-3 70B
+# on (512, 2) under the H100 budget took minutes); the relaxed plan stays when it runs out.
+EXACT_SECONDS = 10.0
+
 # Collectives hidden under compute cost the step nothing, so plans that differ only in them
 # tie; the one that moves less wins (this share of their seconds is added to the objective,
 # not to the reported one).
@@ -410,14 +425,15 @@ def _overlapped_passes(solver, objective, side: list[tuple[object, Split]],
     for crit, beside in (("forward", "side_forward"), ("backward", "side_backward")):
         if not any(getattr(sp, beside) for _, sp in side):
             continue
-        # in thousandths of the objective's unit: CP-SAT makes continuous variables integers
+        # CP-SAT makes continuous variables integers: there, in thousandths of the unit
+        unit = 1e-3 if solver.SolverVersion().startswith("CP-SAT") else 1.0
         exposed = solver.NumVar(0, solver.infinity(), f"exposed_{crit}")
-        objective.SetCoefficient(exposed, 1e-3)
-        solver.Add(exposed * 1e-3 >= sum(var * (d * scale) for var, sp in side
+        objective.SetCoefficient(exposed, unit)
+        solver.Add(exposed * unit >= sum(var * (d * scale) for var, sp in side
                                          for d in [getattr(sp, beside) - getattr(sp, crit)]
                                          if d))
         if edge:
-            solver.Add(exposed * 1e-3 >= sum(var * (getattr(sp, beside) * edge * scale)
+            solver.Add(exposed * unit >= sum(var * (getattr(sp, beside) * edge * scale)
                                              for var, sp in side if getattr(sp, beside)))
 
 
