@@ -22,6 +22,14 @@ keeps of v's own outputs, m[e,a,b] what it keeps of the edge's tensor as reshard
 g[e,a,b] the FSDP gathers in flight when the edge gathers a parameter whole from its storage
 shard, and g the largest bucket's (solver/memory.py; an edge that re-uses a parameter gathered
 for another use in its bucket is counted again: g bounds the plan's from above).
+Overlap (hardware whose collectives run beside compute, cost.Split): each price splits into
+critical seconds (forward f, backward b) and seconds beside compute (side, forward sf and
+backward sb); with q the share of side seconds nothing hides (CostModel.edge_share)
+  min sum crit * x + E_f + E_b,   E_p >= sum (s_p - c_p) * x,  E_p >= q * sum s_p * x,  E_p >= 0
+for each pass p: each pass takes the longer of its critical path and its side collectives.
+It is solved relaxed first (E_p = q * sum s_p folded into the prices, no rows: a lower
+bound, exact when the plan's side seconds fit under its critical ones) and with the rows
+only when they do not (`refined`).
 With x integral the transport constraints force y[e,a,b] = [out_e = a][in_e = b], so y may be
 continuous. An edge whose producer (or consumer) has one placement class costs a constant per
 consumer (producer) strategy and is folded into t. The loss must reach every rank: its node pays
@@ -214,7 +222,11 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     Under a budget the ILP is solved without it first; only when that plan does not fit (its
     exact memory, solver/memory.py `plan_memory`) is it solved again under the budget, or,
     with `unbounded_only`, NoFeasiblePlan raised (activations mattering: a search that has
-    another way to free memory next)."""
+    another way to free memory next).
+
+    On hardware whose collectives overlap compute (cost.overlap) the objective is the step of
+    cost.step_seconds: relaxed first, exactly only when needed (see `refined` below);
+    `exact_overlap` solves with the exact rows from the start."""
     if minimize not in ("time", "memory"):
         raise ValueError(f"minimize must be 'time' or 'memory', not {minimize!r}")
     by_memory = minimize == "memory"
@@ -322,10 +334,9 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
                         for o, row in x.items()}
         choice = c.expand(owner_choice)
         value = objective.Value() / scale
-        if split:  # the step of the chosen prices (no tie-break; penalties taken off below)
-            value = step_seconds(chosen(), True, edge)[0] + PENALTY * sum(
-                1 for n, ks in (discouraged or {}).items() if choice[n] in ks)
-        if discouraged and not by_memory:
+        if split:  # the step of the chosen prices (no tie-break, no penalties)
+            value = step_seconds(chosen(), True, edge)[0]
+        elif discouraged and not by_memory:
             value -= PENALTY * sum(1 for n, ks in discouraged.items() if choice[n] in ks)
         return Solution(choice, value, elapsed, backend,
                         "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
