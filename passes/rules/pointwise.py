@@ -53,6 +53,7 @@ BINARY = [
     aten.logical_and.default, aten.logical_or.default, aten.where.self, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.addcmul.default, aten.addcdiv.default, aten.lerp.Scalar,
     aten.div.Tensor_mode, aten.remainder.Tensor, aten.fmod.Tensor, aten.atan2.default,
+    aten.type_as.default,  # the second operand gives only its dtype
 ]
 # Sums and differences: Partial + Partial is Partial (only when both operands are tensors).
 ADDITIVE = [aten.add.Tensor, aten.sub.Tensor]
@@ -88,7 +89,7 @@ facts(aten.logical_not.default, aten.sign.default, aten.floor.default, aten.ceil
       aten.logical_or.default, aten.lerp.Scalar, aten.div.Tensor_mode, aten.remainder.Tensor,
       aten.fmod.Tensor, *ADDITIVE, aten.zeros_like.default, aten.ones_like.default,
       aten.full_like.default, aten.fill.Scalar, aten.copy.default, aten.tril.default,
-      aten.triu.default, saves=SAVES_NOTHING)
+      aten.triu.default, aten.type_as.default, saves=SAVES_NOTHING)
 facts(aten.alias.default, aten.detach.default, view=True, saves=SAVES_NOTHING)
 facts(aten.pow.Tensor_Tensor, saves=SAVES_INPUTS, saves_output=True,
       flops_per_element=TRANSCENDENTAL)
