@@ -151,11 +151,15 @@ def plan_time(graph: StrategyGraph, cost: CostModel, choice: dict[str, int]) -> 
 
 
 def plan_split(graph: StrategyGraph, cost: CostModel, choice: dict[str, int]) -> Split:
-    """The seconds of a complete assignment by where they run (cost.Split), summed."""
-    t = node_splits(graph, cost)
+    """The seconds of a complete assignment by where they run (cost.Split), summed: each
+    node's chosen strategy only, the loss's final resharding on the forward path."""
     total = NO_TIME
-    for v in graph.nodes:
-        total = total.plus(t[v][choice[v]])
+    for v in graph.nodes.values():
+        total = total.plus(cost.node_split(v, v.strategies[choice[v.name]]))
+    for name, idx in ([graph.loss] if graph.loss else []):
+        v = graph.nodes[name]
+        sink = loss_sink_time(cost, v, v.strategies[choice[name]].out(idx), idx)
+        total = total.plus(Split(sink, 0.0, 0.0, 0.0))
     for e in edges(graph):
         u, v = graph.nodes[e.producer], graph.nodes[e.consumer]
         src = u.strategies[choice[u.name]].out(e.out_index)
