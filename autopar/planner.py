@@ -142,7 +142,12 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     styles = styles_by_dim(mesh, options.force)  # a bad force fails before the work
     shape = "x".join(map(str, mesh.shape))
     report(f"strategies for {len(program.graph.nodes)} graph nodes on mesh {shape}")
-    graph = strat_pass.build(program, mesh.shape, input_placement(mesh, options), zero=True)
+    placed = input_placement(mesh, options)
+    key = (tuple(mesh.shape), placed)
+    if key not in program.strategy_graphs:  # the same for every level of a search
+        program.strategy_graphs.clear()  # one mesh's at a time (a mesh search tries several)
+        program.strategy_graphs[key] = strat_pass.build(program, mesh.shape, placed, zero=True)
+    graph = program.strategy_graphs[key]
     mode = recompute or options.recompute or "none"
     r = recompute_plan(program, graph, mode, keep_user=options.recompute != "none") \
         if program.has_loss else NO_RECOMPUTE
@@ -522,7 +527,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
     priced = pipe.price_blocks(graph, cost, blocks.of_node, blocks.names, link,
                                backend=backend, time_limit=time_limit)
     best = pipe.choose(priced, p, batch, batch // m0, budget, microbatches=microbatches,
-                       schedule=schedule, virtual_stages=virtual_stages)
+                       schedule=schedule, virtual_stages=virtual_stages, overlap=cost.overlap)
     m, v, sched = best.microbatches, best.virtual_stages, best.schedule
     if m != m0:
         program = trace_at(m)
@@ -583,7 +588,8 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
                             pipe.bubble_fraction(sched, p, m, v), stage_time, held,
                             rank_memory, loss_reduction)
     return Plan(mesh, base.inputs, base.parameters, ops, collectives,
-                _pipeline_cost(base.cost, total, compute, comm, peak, best.objective),
+                _pipeline_cost(base.cost, total, compute, comm, peak, best.objective,
+                               priced.hidden),
                 base.strategies,
                 base.graph_fingerprint, time.perf_counter() - start,
                 "random" if draw else solver.upper(), base.unsupported_ops, pipeline,
@@ -591,17 +597,18 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
 
 
 def _pipeline_cost(whole: PlanCost, step: float, compute: float, comm: dict, memory: dict,
-                   objective: float) -> PlanCost:
-    """The cost of a pipelined plan: the busiest pp rank's step (see solve_pipeline_plan);
+                   objective: float, hidden: dict) -> PlanCost:
+    """The cost of a pipelined plan: the busiest pp rank's step (see solve_pipeline_plan),
+    `hidden` the seconds of sends it runs under compute (solver/stages.py `hides_sends`);
     what `whole` (the whole graph priced on the submesh) says of the rest carries over, its
     forward share of compute kept."""
     forward = getattr(whole, "compute_forward", 0.0)
     extra = {"compute_forward": forward * compute / whole.compute} if forward and whole.compute \
         else {}
-    # (the pipeline's step adds every collective: overlap is not priced for pipelines yet)
+    # (a stage's own collectives add to its time: only the sends between stages overlap)
     return dataclasses.replace(whole, step_time=step, compute=compute, communication=comm,
-                               memory=dict(memory), solver_objective=objective, hidden={},
-                               **extra)
+                               memory=dict(memory), solver_objective=objective,
+                               hidden=dict(hidden), **extra)
 
 
 def _stage_cost(sub: MeshSpec, graph: StrategyGraph, optimizer, precision, profile) -> CostModel:

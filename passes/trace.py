@@ -75,6 +75,9 @@ class TracedProgram:
     frozen: set[str] = field(default_factory=set)  # parameter placeholders that do not train
     checkpointed: set[str] = field(default_factory=set)  # ops under torch.utils.checkpoint
     folded: str = ""  # the stack of identical layers traced once and copied (passes/fold.py)
+    # strategy graphs built for this program (passes/strategies.py `build`), by mesh shape and
+    # input placement: the planner tries several ways to fit memory on one program
+    strategy_graphs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def graph(self) -> fx.Graph:

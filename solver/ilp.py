@@ -28,8 +28,9 @@ backward sb); with q the share of side seconds nothing hides (CostModel.edge_sha
   min sum crit * x + E_f + E_b,   E_p >= sum (s_p - c_p) * x,  E_p >= q * sum s_p * x,  E_p >= 0
 for each pass p: each pass takes the longer of its critical path and its side collectives.
 It is solved relaxed first (E_p = q * sum s_p folded into the prices, no rows: a lower
-bound, exact when the plan's side seconds fit under its critical ones) and with the rows
-only when they do not (`refined`).
+bound, exact when the plan's side seconds fit under its critical ones). When they do not, it
+is solved again with the rows (`refined`; when that runs out of time, with every side second
+priced, E_p = sum s_p, instead).
 With x integral the transport constraints force y[e,a,b] = [out_e = a][in_e = b], so y may be
 continuous. An edge whose producer (or consumer) has one placement class costs a constant per
 consumer (producer) strategy and is folded into t. The loss must reach every rank: its node pays
@@ -233,13 +234,29 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     `exact_overlap` solves with the exact rows from the start."""
     if minimize not in ("time", "memory"):
         raise ValueError(f"minimize must be 'time' or 'memory', not {minimize!r}")
-    by_memory = minimize == "memory"
-    scale = GIB if by_memory else SCALE  # GiB or microseconds inside the solver
     backend = backend.upper()
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend}; choose from {BACKENDS}")
+    c = clustering or identity(graph)
+    problem = _owner_problem(graph, cost, c, forced, discouraged)
+    return _solve(graph, cost, problem, c, memory_budget, backend, time_limit, gap, forced,
+                  discouraged, minimize, unbounded_only, exact_overlap)
+
+
+def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clustering,
+           memory_budget: float | None, backend: str, time_limit: float, gap: float,
+           forced: dict[str, list[int]] | None, discouraged: dict[str, list[int]] | None,
+           minimize: str, unbounded_only: bool, exact_overlap: bool,
+           fallback: bool = True, side_share: float | None = None) -> Solution | None:
+    """`solve` on a built problem. Without `fallback` a solve that runs out of time before
+    any plan returns None instead of the greedy plan (the re-solves of `refined`, whose
+    caller keeps the plan it has then). `side_share`: the share of side seconds the
+    objective prices without the exact rows (default: the unhidden share, the relaxation;
+    1: every side second, as if nothing overlapped)."""
     from ortools.linear_solver import pywraplp  # imported when first solving: import is slow
 
+    by_memory = minimize == "memory"
+    scale = GIB if by_memory else SCALE  # GiB or microseconds inside the solver
     start = time.perf_counter()
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:
@@ -251,15 +268,13 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
         # optimum). OR-Tools applies the option but reports False whatever the string.
         solver.SetSolverSpecificParametersAsString("presolve = off")
     solver.SetTimeLimit(int(time_limit * 1000))
-    c = clustering or identity(graph)
-    problem = _owner_problem(graph, cost, c, forced, discouraged)
     x: dict[str, list] = {}
     objective = solver.Objective()
     split = problem.node_split is not None and not by_memory
     side: list[tuple[object, Split]] = []  # (variable, its price by where it runs)
     edge = cost.edge_share() if split else 0.0
     # relaxed (the first solve): side seconds priced at their unhidden share only
-    relaxed = edge if split and not exact_overlap else 0.0
+    relaxed = 0.0 if not split or exact_overlap else edge if side_share is None else side_share
     for o, costs in problem.node_cost.items():
         row = []
         for k, (t, m) in enumerate(zip(costs, problem.memory[o])):
@@ -324,6 +339,8 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
         if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE,
                           pywraplp.Solver.INFEASIBLE, pywraplp.Solver.MODEL_INVALID):
             # the time limit passed before any plan (HiGHS reports 99): take the greedy one
+            if not fallback:
+                return None
             choice = greedy(graph, cost, forced)
             return Solution(choice, plan_time(graph, cost, choice), elapsed, backend,
                             "greedy (time limit)", solver.NumVariables(),
@@ -360,32 +377,43 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
         """With overlap the solves above are relaxed: every side second hidden but the
         unhidden share, a lower bound of the step, and its optimum when the plan's side
         collectives do fit under its compute in each pass. Otherwise the ILP is solved again
-        from scratch with each pass's longer side priced exactly (the rows of
-        `_overlapped_passes`, under the budget; slower: EXACT_SECONDS at most), and its plan
-        taken when it is faster and fits; the relaxed plan (its step priced exactly) stays
-        when that solve finds nothing better in its time."""
-        if not split or exact_overlap or sol.status.startswith("greedy"):
-            return sol
+        (the same problem, priced once) with each pass's longer side priced exactly (the rows
+        of `_overlapped_passes`, under the budget; slower: EXACT_SECONDS at most), and its
+        plan taken when it is faster and fits. When that solve finds no plan in its time, the
+        ILP is solved with every side second priced, as if nothing overlapped (as fast as the
+        relaxed solve; under a binding budget its plan is often far faster than the relaxed
+        one, which gathers more than compute hides), and the faster plan, priced exactly,
+        kept."""
+        if not split or exact_overlap or side_share is not None or \
+                sol.status.startswith("greedy"):
+            return sol  # (the re-solves below are not refined again)
         total = chosen()
         if total.side_forward - total.forward <= edge * total.side_forward + 1e-12 and \
                 total.side_backward - total.backward <= edge * total.side_backward + 1e-12:
             return sol
-        try:
-            better = solve(graph, cost, memory_budget, backend, min(time_limit, EXACT_SECONDS),
-                           gap, forced, discouraged, clustering, minimize, exact_overlap=True)
-        except NoFeasiblePlan:
-            return sol
-        fits = memory_budget is None or memory_budget == float("inf") or \
-            plan_memory(graph, cost, better.choice) <= memory_budget
-        if better.status.startswith("greedy") or not fits or better.objective > sol.objective:
-            return sol
-        return better
+        for exact in (True, False):
+            try:
+                better = _solve(graph, cost, problem, c, memory_budget, backend,
+                                min(time_limit, EXACT_SECONDS) if exact else time_limit, gap,
+                                forced, discouraged, minimize, False, exact, fallback=False,
+                                side_share=None if exact else 1.0)
+            except NoFeasiblePlan:
+                better = None
+            if better is not None and better.objective < sol.objective and (
+                    memory_budget is None or memory_budget == float("inf")
+                    or plan_memory(graph, cost, better.choice) <= memory_budget):
+                sol = better
+            if better is not None and exact:
+                break  # the exact optimum (within the MIP gap), or the relaxed plan is
+        return sol
 
     if memory_budget is None or by_memory or memory_budget == float("inf"):
         return refined(run())
     # Without the budget first: several times faster, and when that plan fits, no plan that
     # fits is faster.
     sol = run()
+    if sol is None:  # out of time without a plan, and no fallback asked for
+        return None
     peak = plan_memory(graph, cost, sol.choice)
     if peak <= memory_budget:
         return refined(sol)

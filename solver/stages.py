@@ -38,6 +38,10 @@ Objective (seconds per step)
   v = 1:            min sum_s T_s + (m - 1) C + G
   v > 1, m >= p:    min m T + (p - 1) C + G
   v > 1, m < p:     min sum_s T_s + (m - 1) C + G
+Interleaved 1F1B on hardware whose communication overlaps compute (`hides_sends`) sends beside
+its other chunks' work in the steady state: there the busiest rank's time is bounded by its
+work and by its sends separately, T >= sum_{s on r} (T_s - c_s) and T >= sum_{s on r} c_s
+(c_s the sends of stage s), while the fill and drain (C) still wait for them.
 With one stage per rank (C = T): the first microbatch crosses every stage, the others follow at
 the pace of the slowest (plus the gradient sync after the last). With v virtual stages per rank
 and at least p microbatches, every rank works through its m v chunk-microbatches and the fill
@@ -179,9 +183,11 @@ class StageSolution:
 
 
 def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sigma: float,
-                 memory_budget: float | None, time_limit: float = 1.0
-                 ) -> StageSolution | None:
+                 memory_budget: float | None, time_limit: float = 1.0, *,
+                 overlap: bool = False) -> StageSolution | None:
     """The ILP of the module docstring, on CP-SAT; None when no cut fits the memory budget.
+    With `overlap` (the hardware's) and a schedule that `hides_sends`, the busiest rank's
+    time bounds its work and its sends separately (`step_time`'s `sends`).
 
     Times are integers of TICK seconds for CP-SAT; the objective is scaled by TIE, plus the
     busiest rank's time as a tie-break toward balanced ranks (with one microbatch any cut is
@@ -222,6 +228,9 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
     stage_t = [sum(ti[b] * x[b, s] for b in range(n) if (b, s) in x)
                + sum(ci[b] * y[b, s] for b in range(n - 1) if (b, s) in y)
                for s in range(num_stages)]
+    sends = [sum(ci[b] * y[b, s] for b in range(n - 1) if (b, s) in y)
+             for s in range(num_stages)]
+    hide = hides_sends(schedule, overlap)
     busiest = model.NewIntVar(0, horizon, "T")
     slowest = model.NewIntVar(0, horizon, "C")
     sync = model.NewIntVar(0, sum(gi) + 1, "G")
@@ -229,12 +238,17 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
         model.Add(slowest >= stage_t[s])
     # Redundant, for a tighter relaxation: the busiest rank does at least its share, the
     # slowest stage at least the average and at least the longest block.
-    model.Add(p * busiest >= sum(stage_t))
+    model.Add(p * busiest >= sum(stage_t[s] - sends[s] if hide else stage_t[s]
+                                 for s in range(num_stages)))
     model.Add(num_stages * slowest >= sum(stage_t))
     model.Add(slowest >= max(ti))
     for r in range(p):
         mine = range(r, num_stages, p)
-        model.Add(busiest >= sum(stage_t[s] for s in mine))
+        if hide:  # the pace: the longer of the rank's work and its sends beside it
+            model.Add(busiest >= sum(stage_t[s] - sends[s] for s in mine))
+            model.Add(busiest >= sum(sends[s] for s in mine))
+        else:
+            model.Add(busiest >= sum(stage_t[s] for s in mine))
         model.Add(sync >= sum(gi[b] * x[b, s] for s in mine for b in range(n) if (b, s) in x))
         if memory_budget is not None:
             model.Add(sum(round(blocks[b].param_bytes + k[r] * a[b]) * x[b, s] for s in mine
@@ -261,7 +275,9 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
              for s in range(num_stages)]
     memory = [sum(blocks[b].param_bytes + k[r] * a[b] for b in range(n) if stage[b] % p == r)
               for r in range(p)]
-    return StageSolution(schedule, m, v, cuts, step_time(times, syncs, p, m, v), times,
+    sent = [sum(c[b] for b in range(n - 1) if stage[b] == s and stage[b + 1] != s)
+            for s in range(num_stages)] if hide else None
+    return StageSolution(schedule, m, v, cuts, step_time(times, syncs, p, m, v, sent), times,
                          memory, [k[s % p] for s in range(num_stages)],
                          time.perf_counter() - start, status == cp_model.OPTIMAL)
 
@@ -279,12 +295,36 @@ def _balanced(t: list[float], num_stages: int) -> list[int]:
     return stage
 
 
-def step_time(stage_time: list[float], grad_sync: list[float], p: int, m: int, v: int) -> float:
-    """The objective of the module docstring for given per-stage times (s per step)."""
-    ranks = [sum(stage_time[r::p]) for r in range(p)]
+def step_time(stage_time: list[float], grad_sync: list[float], p: int, m: int, v: int,
+              sends: list[float] | None = None) -> float:
+    """The objective of the module docstring for given per-stage times (s per step). With
+    `sends` (each stage's seconds of sends within its time, for a schedule that issues them
+    beside compute: `hides_sends`) a rank's steady-state pace is the longer of its work and
+    its sends (`rank_pace`); the fill and drain wait for every send."""
     syncs = [sum(grad_sync[r::p]) for r in range(p)]
     ws, wt, wc = _weights(p, m, v)
-    return ws * sum(stage_time) + wt * max(ranks) + wc * max(stage_time) + max(syncs)
+    return ws * sum(stage_time) + wt * max(rank_pace(stage_time, p, sends)) \
+        + wc * max(stage_time) + max(syncs)
+
+
+def rank_pace(stage_time: list[float], p: int, sends: list[float] | None = None) -> list[float]:
+    """Seconds per microbatch of each pp rank's stages in the steady state: their times
+    summed, or with `sends` (see `step_time`) the longer of the rest and the sends."""
+    if sends is None:
+        return [sum(stage_time[r::p]) for r in range(p)]
+    return [max(sum(stage_time[r::p]) - sum(sends[r::p]), sum(sends[r::p])) for r in range(p)]
+
+
+def hides_sends(schedule: str, overlap: bool) -> bool:
+    """Whether the runtime's `schedule` sends between stages beside compute in its steady
+    state, on hardware whose communication overlaps compute (`overlap`).
+    torch.distributed.pipelining's interleaved 1F1B (`_PipelineScheduleRuntime`) posts each
+    receive when its sender sends and waits for it only before the chunk that needs it, so a
+    rank's transfers run under its other chunks' compute. Its GPipe and 1F1B wait for each
+    receive just before the compute that needs it (1F1B: with the previous send), and a
+    send completes only once its receiver has posted the receive: there every transfer is on
+    the critical path."""
+    return overlap and schedule == "interleaved"
 
 
 def too_few_blocks(blocks: list[Block], num_stages: int, p: int, v: int) -> str:
@@ -300,14 +340,14 @@ def choose(blocks: list[Block], p: int, batch: int, traced_batch: int,
            memory_budget: float | None, *, microbatches: int | None = None,
            schedule: str | tuple[str, ...] | None = None, virtual_stages: int | None = None,
            time_limit: float = 1.0, max_microbatches: int = 64,
-           max_virtual_stages: int = 4) -> StageSolution:
+           max_virtual_stages: int = 4, overlap: bool = False) -> StageSolution:
     """The best (schedule, microbatch count, virtual stages, cuts) over the candidates the
     options leave open: every schedule (or those named); microbatch counts that divide the
     batch (up to `max_microbatches`); 2 .. `max_virtual_stages` virtual stages for
     interleaved. Candidates are solved in order of a lower bound on their step time (perfectly
     balanced stages, free sends) and skipped once the bound cannot beat the best found. Ties go
     to less memory, then to the earlier candidate (1F1B before GPipe before interleaved, fewer
-    microbatches)."""
+    microbatches). `overlap`: the hardware's (see `solve_stages`)."""
     if p * (virtual_stages or 1) > len(blocks):
         raise StageError(too_few_blocks(blocks, p * (virtual_stages or 1), p,
                                         virtual_stages or 1))
@@ -356,7 +396,7 @@ def choose(blocks: list[Block], p: int, batch: int, traced_batch: int,
         if best is not None and bound(candidates[i]) > best.objective * (1 + 1e-9):
             break
         sol = solve_stages(blocks, p, sched, m, v, (batch / m) / traced_batch, memory_budget,
-                           time_limit)
+                           time_limit, overlap=overlap)
         if sol is None:
             continue
         tried.append((sched, m, v, sol.objective))
@@ -591,8 +631,9 @@ class PipelinePrice:
     """What a pipelined plan costs, from its stages' prices (the module docstring's model):
     per stage, seconds per microbatch (with its sends), gradient sync, send seconds and
     microbatches in flight; per pp rank, bytes per device by kind; the step, and the busiest pp
-    rank's compute and communication by kind (its bubble as "pipeline_bubble"); and every
-    send, as (value, bytes, seconds, "forward" or "backward")."""
+    rank's compute and communication by kind (its bubble as "pipeline_bubble") and the seconds
+    of each kind hidden under compute (`hides_sends`: its sends, "p2p"); and every send, as
+    (value, bytes, seconds, "forward" or "backward")."""
 
     stage_time: list[float]
     grad_sync: list[float]
@@ -603,6 +644,7 @@ class PipelinePrice:
     compute: float
     communication: dict[str, float]
     sends: list[tuple[str, int, float, str]]
+    hidden: dict[str, float] = field(default_factory=dict)
 
 
 def price_pipeline(graph: StrategyGraph, cost: CostModel, stages: list, stage_of: dict,
@@ -639,8 +681,9 @@ def price_pipeline(graph: StrategyGraph, cost: CostModel, stages: list, stage_of
             for key, val in priced[s].memory.items():
                 mem[key] += val * (held[s] if key == "activations" else 1)
         rank_memory.append(mem)
-    total = step_time(stage_time, grad_sync, p, m, v)
-    ranks = [sum(stage_time[r::p]) for r in range(p)]
+    hide = hides_sends(schedule, cost.overlap)
+    total = step_time(stage_time, grad_sync, p, m, v, transfer if hide else None)
+    ranks = rank_pace(stage_time, p, transfer if hide else None)
     busy = max(range(p), key=lambda r: ranks[r])
     mine = range(busy, num_stages, p)
     comm = {k: 0.0 for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")}
@@ -650,9 +693,14 @@ def price_pipeline(graph: StrategyGraph, cost: CostModel, stages: list, stage_of
     comm["p2p"] = m * sum(transfer[s] for s in mine)
     comm["gradient_sync"] = sum(grad_sync[s] for s in mine)
     compute = m * sum(priced[s].compute for s in mine)
-    comm["pipeline_bubble"] = max(0.0, total - compute - sum(comm.values()))
+    hidden = {}
+    if hide and _weights(p, m, v)[1]:  # the steady state's sends beside the rank's work
+        sent = sum(transfer[s] for s in mine)
+        hidden["p2p"] = m * min(sent, sum(stage_time[s] for s in mine) - sent)
+    comm["pipeline_bubble"] = max(0.0, total - compute - sum(comm.values())
+                                  + sum(hidden.values()))
     return PipelinePrice(stage_time, grad_sync, transfer, held, rank_memory, total, compute,
-                         comm, sends)
+                         comm, sends, {k: t for k, t in hidden.items() if t})
 
 
 def activation_scaled(cost: CostModel, factor: float) -> CostModel:
@@ -668,6 +716,7 @@ def stage_budget(memory_budget: float, v: int) -> float:
 
 __all__ = ["SCHEDULES", "Block", "PipelinePrice", "Priced", "StageError", "StageSolution",
            "activation_scaled", "price_pipeline",
-           "bubble_fraction", "choose", "crossing", "divisors", "in_flight", "price",
+           "bubble_fraction", "choose", "crossing", "divisors", "hides_sends", "in_flight",
+           "price", "rank_pace",
            "price_blocks", "schedule_problem", "signature", "solve_stages", "solve_subgraph",
            "stage_budget", "step_time", "subgraph", "transfer_time"]
