@@ -119,11 +119,15 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
                storage: dict[str, Placements] | None = None,
                fold_layers: bool = True, recompute: str | None = None,
                reshard: bool = False, zero: dict[str, int] | None = None,
-               accumulation: int = 1, unbounded: bool = False) -> tuple[Plan, StrategyGraph]:
+               accumulation: int = 1, unbounded: bool = False,
+               diagnose: bool = True) -> tuple[Plan, StrategyGraph]:
     """Build strategies, solve the ILP and describe the result.
 
     With `unbounded` only the plan the ILP chooses without the memory budget is tried
     (solver/ilp.py `solve`'s `unbounded_only`): a search step skipped when memory binds.
+    Without `diagnose` a budget no plan meets raises NoFeasiblePlan saying so but not why
+    (solver/diagnose.py's least-memory solve skipped), as if activations mattered: a search
+    step with a later one to try.
 
     With `reshard` (and `options.reshard_after_forward` None) the ILP prices every parameter
     gathered for its use as freed after forward, and the plan then keeps gathered what the
@@ -185,6 +189,8 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     except NoFeasiblePlan as e:
         if unbounded:
             raise
+        if not diagnose:
+            raise NoFeasiblePlan(str(e), "activations", True) from e
         raise infeasible(graph, cost, budget, forced, clusters) from e
     choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
     cost = cost.copy(reshard=resharding.choose(graph, cost, choice, budget,
@@ -250,14 +256,15 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
         program = trace_at(m)
         tried = m
         plain = False  # a plan fits at this count without recomputing more than levels[0]
-        for level, reshard in levels:
+        for i, (level, reshard) in enumerate(levels):
             try:
                 # When the fastest plan keeping every parameter gathered does not fit, freeing
                 # (the next level) is where memory is found: no budgeted solve at this one.
+                # Why nothing fits is worked out at the last level only (the others go on).
                 plan, graph = solve_plan(program, mesh, options, storage=storage, zero=zero,
                                          recompute=level, reshard=reshard, accumulation=m,
                                          unbounded=not reshard and len(levels) > 1 and
-                                         levels[1][1])
+                                         levels[1][1], diagnose=i == len(levels) - 1)
             except NoFeasiblePlan as e:
                 error = e
                 if e.activations_matter:
