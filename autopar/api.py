@@ -74,6 +74,7 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=Non
         return solve_accumulated(trace_at, batch_of(call), spec, options)[0]
 
     if isinstance(mesh, Cluster):
+        trace_at(1)  # before the search forks its workers: they share this trace
         return search_mesh(mesh, plan_on, options)
     if not isinstance(mesh, MeshSpec):
         mesh = MeshSpec.from_device_mesh(mesh)

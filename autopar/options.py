@@ -66,6 +66,10 @@ class PlanOptions:
       on_new_shape    what a call with inputs of another shape than planned does: "replan"
                       (plan once more for that shape, keeping the parameters where they are;
                       plans are cached per shape) or "raise"
+    Mesh search (an autopar.Cluster instead of a mesh):
+      search_workers  processes that plan candidate meshes at once (forked from the calling
+                      process; the plan is the same however many): None (the default) one per
+                      CPU core, at most one per candidate; 1 plans them one after another here
     Display:
       progress        report planning's stages on stderr: True, False, or None (the default)
                       when stderr is a terminal
@@ -88,6 +92,7 @@ class PlanOptions:
     loss_reduction: str = "mean"
     per_rank_inputs: tuple[str, ...] = ()
     on_new_shape: str = "replan"
+    search_workers: int | None = field(default=None, compare=False)
     progress: bool | None = field(default=None, compare=False)
 
     def __post_init__(self):
@@ -112,6 +117,10 @@ class PlanOptions:
             raise ValueError(f"bucket_bytes must be positive, not {self.bucket_bytes}")
         if self.microbatches is not None and self.microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, not {self.microbatches}")
+        if self.search_workers is not None and (not isinstance(self.search_workers, int)
+                                                or self.search_workers < 1):
+            raise ValueError(f"search_workers must be a positive number of processes (or None: "
+                             f"one per CPU core), not {self.search_workers!r}")
 
     @staticmethod
     def of(options: PlanOptions | None, **changes) -> PlanOptions:
@@ -156,7 +165,7 @@ class PlanOptions:
         """One line for the printed plan: the options that differ from the defaults."""
         default = PlanOptions()
         parts = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                 if f.name not in ("profile", "progress")
+                 if f.name not in ("profile", "progress", "search_workers")
                  and getattr(self, f.name) != getattr(default, f.name)]
         if self.profile not in (None, False):
             parts.append("profile=measured")

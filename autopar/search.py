@@ -11,12 +11,20 @@ devices per node; pp cuts the model into pipeline stages (only when asked: `pipe
 dp takes the rest. The intra-op solver decides on every non-pp dimension whether it holds data
 parallelism, FSDP, tensor parallelism or a mix, so the names only say which dimension is inside
 a node. The model is traced once for all candidates (the trace does not depend on the mesh).
+
+Candidates are planned in worker processes at once (`PlanOptions.search_workers`; by default
+one per CPU core), forked from the caller after the trace, so each starts from the traced
+model without pickling it; a worker sends its plan (or why none fits) back. Ties are broken
+in candidate order whatever finished first, so the result does not depend on the workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from autopar.solver.ilp import NoFeasiblePlan
@@ -90,28 +98,22 @@ def candidate_meshes(cluster: Cluster) -> list[MeshSpec]:
 
 def search_mesh(cluster: Cluster, plan_for, options: PlanOptions) -> Plan:
     """The best plan over `candidate_meshes(cluster)`: `plan_for(mesh)` plans one (raising
-    NoFeasiblePlan or StageError when nothing fits). Ties go to fewer, then smaller, pp and
-    tp degrees. The returned plan's `mesh_search` ranks every candidate."""
+    NoFeasiblePlan or StageError when nothing fits), in `options.search_workers` processes.
+    Ties go to fewer, then smaller, pp and tp degrees. The returned plan's `mesh_search` ranks
+    every candidate."""
     tried = []
     best: Plan | None = None
-    report = Progress(options.progress)
     meshes = candidate_meshes(cluster)
-    for i, mesh in enumerate(meshes):
-        report(f"mesh {i + 1} of {len(meshes)}: "
-               + " x ".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.shape)))
-        start = time.perf_counter()
+    for mesh, (plan, why, seconds) in zip(meshes, _plan_all(meshes, plan_for, options)):
         row = {"shape": list(mesh.shape), "names": list(mesh.names)}
-        try:
-            plan = plan_for(mesh)
-        except (NoFeasiblePlan, StageError) as e:
-            row.update(step_time=None, peak_memory=None,
-                       why=str(e).splitlines()[0][:200])
+        if plan is None:
+            row.update(step_time=None, peak_memory=None, why=why)
         else:
             row.update(step_time=plan.cost.step_time, peak_memory=plan.cost.peak_memory,
                        why="")
             if best is None or _better(plan, best):
                 best = plan
-        row["seconds"] = time.perf_counter() - start
+        row["seconds"] = seconds
         tried.append(row)
     tried.sort(key=lambda r: (r["step_time"] is None, r["step_time"] or 0.0))
     if best is None:
@@ -120,6 +122,50 @@ def search_mesh(cluster: Cluster, plan_for, options: PlanOptions) -> Plan:
                              f"devices fits the model ({reasons}); use more devices, "
                              "bf16-mixed precision or a smaller batch")
     return dataclasses.replace(best, mesh_search=tried)
+
+
+def workers(options: PlanOptions, candidates: int) -> int:
+    """Processes the search plans `candidates` meshes in (`PlanOptions.search_workers`): one
+    where processes cannot be forked."""
+    if candidates < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
+    return max(1, min(options.search_workers or cores, candidates))
+
+
+# The search's planning function and candidates, for the forked workers (set before forking:
+# a worker inherits them, nothing is pickled on the way in).
+_FORKED: dict = {}
+
+
+def _plan_one(i: int, progress=None) -> tuple[Plan | None, str, float]:
+    """(plan, "", seconds) for candidate `i` of the search, or (None, why none fits, seconds)."""
+    plan_for, meshes = _FORKED["plan_for"], _FORKED["meshes"]
+    mesh = meshes[i]
+    Progress(progress)(f"mesh {i + 1} of {len(meshes)}: "
+                       + " x ".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.shape)))
+    start = time.perf_counter()
+    try:
+        plan = plan_for(mesh)
+    except (NoFeasiblePlan, StageError) as e:
+        return None, str(e).splitlines()[0][:200], time.perf_counter() - start
+    return plan, "", time.perf_counter() - start
+
+
+def _plan_all(meshes: list[MeshSpec], plan_for, options: PlanOptions) -> list[tuple]:
+    """`_plan_one` of every candidate, in candidate order: in this process, or in forked
+    workers (`workers`) that take the candidates in order as they come free."""
+    _FORKED.update(plan_for=plan_for, meshes=meshes)
+    try:
+        n = workers(options, len(meshes))
+        if n == 1:
+            return [_plan_one(i, options.progress) for i in range(len(meshes))]
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_plan_one, range(len(meshes)),
+                                 [options.progress] * len(meshes)))
+    finally:
+        _FORKED.clear()
 
 
 def _better(plan: Plan, best: Plan) -> bool:

@@ -44,6 +44,23 @@ def test_the_fastest_mesh_is_returned_with_the_ranking():
     assert "meshes tried" in str(plan)
 
 
+def test_worker_processes_find_the_plan_one_process_finds():
+    """Candidates planned in forked workers: the same plan and ranking (ties broken in
+    candidate order, not by which finished first), each candidate's seconds its own."""
+    model, example = _gpt()
+    cluster = autopar.Cluster(8, hardware="h100", pipeline=True)
+    alone = autopar.plan(model, cluster, example, loss_fn=lm_loss, search_workers=1)
+    forked = autopar.plan(model, cluster, example, loss_fn=lm_loss, search_workers=3)
+    assert forked.hash() == alone.hash() and forked.mesh == alone.mesh
+    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in alone.mesh_search]
+    assert [{k: v for k, v in r.items() if k != "seconds"} for r in forked.mesh_search] == strip
+    assert all(r["seconds"] > 0 for r in forked.mesh_search)
+    assert autopar.search.workers(autopar.PlanOptions(search_workers=3), 1) == 1
+    assert autopar.search.workers(autopar.PlanOptions(search_workers=3), 9) == 3
+    with pytest.raises(ValueError, match="search_workers"):
+        autopar.PlanOptions(search_workers=0)
+
+
 def test_a_mesh_that_does_not_fit_is_ranked_with_its_reason():
     """A budget between the smallest peaks of the candidates: the ones above it are ranked
     last, with the reason."""
