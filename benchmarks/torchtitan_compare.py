@@ -18,9 +18,10 @@ predicts and what it chose.
     python -m benchmarks.torchtitan_compare --rows 8b-8 --no-free
     python -m benchmarks.torchtitan_compare --rows 70b-256 --no-free --budget
 
-With `--budget` the forced setups are planned within the GPUs' memory (torchtitan ran them,
-so they fit): the solver then places the activations the forced styles leave open to fit,
-as torchtitan's sequence parallelism does; without it, for time alone.
+With `--budget` the forced setups are planned within the GPUs' memory (torchtitan ran them
+there); without it, for time alone, with the predicted peak printed next to theirs. The 70B
+FSDP x TP row finds no plan within it: autopar keeps the results of a recomputed block's
+collectives where torchtitan runs them again (benchmarks/RESULTS.md).
 
 The configuration includes torchtitan's op-level selective checkpointing, which also
 recomputes every second matmul of a block where autopar's selective recomputation keeps every

@@ -391,21 +391,21 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
         if total.side_forward - total.forward <= edge * total.side_forward + 1e-12 and \
                 total.side_backward - total.backward <= edge * total.side_backward + 1e-12:
             return sol
-        for exact in (True, False):
-            try:
-                better = _solve(graph, cost, problem, c, memory_budget, backend,
-                                min(time_limit, EXACT_SECONDS) if exact else time_limit, gap,
-                                forced, discouraged, minimize, False, exact, fallback=False,
-                                side_share=None if exact else 1.0)
-            except NoFeasiblePlan:
-                better = None
-            if better is not None and better.objective < sol.objective and (
-                    memory_budget is None or memory_budget == float("inf")
-                    or plan_memory(graph, cost, better.choice) <= memory_budget):
-                sol = better
-            if better is not None and exact:
-                break  # the exact optimum (within the MIP gap), or the relaxed plan is
-        return sol
+        def again(exact: bool) -> Solution | None:  # None: out of time without a plan
+            return _solve(graph, cost, problem, c, memory_budget, backend,
+                          min(time_limit, EXACT_SECONDS) if exact else time_limit, gap, forced,
+                          discouraged, minimize, False, exact, fallback=False,
+                          side_share=None if exact else 1.0)
+
+        try:
+            better = again(exact=True) or again(exact=False)
+        except NoFeasiblePlan:
+            return sol
+        if better is None or better.objective >= sol.objective:
+            return sol
+        fits = memory_budget is None or memory_budget == float("inf") or \
+            plan_memory(graph, cost, better.choice) <= memory_budget
+        return better if fits else sol
 
     if memory_budget is None or by_memory or memory_budget == float("inf"):
         return refined(run())

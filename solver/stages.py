@@ -225,11 +225,10 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
                 model.AddBoolOr([x[b, s].Not(), y[b, s]]
                                 + ([x[b + 1, s]] if (b + 1, s) in x else []))
     horizon = sum(ti) + sum(ci) + 1
-    stage_t = [sum(ti[b] * x[b, s] for b in range(n) if (b, s) in x)
-               + sum(ci[b] * y[b, s] for b in range(n - 1) if (b, s) in y)
-               for s in range(num_stages)]
+    work = [sum(ti[b] * x[b, s] for b in range(n) if (b, s) in x) for s in range(num_stages)]
     sends = [sum(ci[b] * y[b, s] for b in range(n - 1) if (b, s) in y)
              for s in range(num_stages)]
+    stage_t = [w + c for w, c in zip(work, sends)]
     hide = hides_sends(schedule, overlap)
     busiest = model.NewIntVar(0, horizon, "T")
     slowest = model.NewIntVar(0, horizon, "C")
@@ -238,14 +237,13 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
         model.Add(slowest >= stage_t[s])
     # Redundant, for a tighter relaxation: the busiest rank does at least its share, the
     # slowest stage at least the average and at least the longest block.
-    model.Add(p * busiest >= sum(stage_t[s] - sends[s] if hide else stage_t[s]
-                                 for s in range(num_stages)))
+    model.Add(p * busiest >= sum(work if hide else stage_t))
     model.Add(num_stages * slowest >= sum(stage_t))
     model.Add(slowest >= max(ti))
     for r in range(p):
         mine = range(r, num_stages, p)
         if hide:  # the pace: the longer of the rank's work and its sends beside it
-            model.Add(busiest >= sum(stage_t[s] - sends[s] for s in mine))
+            model.Add(busiest >= sum(work[s] for s in mine))
             model.Add(busiest >= sum(sends[s] for s in mine))
         else:
             model.Add(busiest >= sum(stage_t[s] for s in mine))
@@ -268,16 +266,15 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
                          f"stages within its time limit ({solver.StatusName(status)})")
     stage = [next(s for s in span[b] if solver.Value(x[b, s])) for b in range(n)]
     cuts = [b for b in range(1, n) if stage[b] != stage[b - 1]]
-    times = [sum(t[b] for b in range(n) if stage[b] == s)
-             + sum(c[b] for b in range(n - 1) if stage[b] == s and stage[b + 1] != s)
-             for s in range(num_stages)]
+    sent = [sum(c[b] for b in range(n - 1) if stage[b] == s and stage[b + 1] != s)
+            for s in range(num_stages)]
+    times = [sum(t[b] for b in range(n) if stage[b] == s) + sent[s] for s in range(num_stages)]
     syncs = [sum(blocks[b].grad_sync for b in range(n) if stage[b] == s)
              for s in range(num_stages)]
     memory = [sum(blocks[b].param_bytes + k[r] * a[b] for b in range(n) if stage[b] % p == r)
               for r in range(p)]
-    sent = [sum(c[b] for b in range(n - 1) if stage[b] == s and stage[b + 1] != s)
-            for s in range(num_stages)] if hide else None
-    return StageSolution(schedule, m, v, cuts, step_time(times, syncs, p, m, v, sent), times,
+    return StageSolution(schedule, m, v, cuts,
+                         step_time(times, syncs, p, m, v, sent if hide else None), times,
                          memory, [k[s % p] for s in range(num_stages)],
                          time.perf_counter() - start, status == cp_model.OPTIMAL)
 
@@ -695,8 +692,7 @@ def price_pipeline(graph: StrategyGraph, cost: CostModel, stages: list, stage_of
     compute = m * sum(priced[s].compute for s in mine)
     hidden = {}
     if hide and _weights(p, m, v)[1]:  # the steady state's sends beside the rank's work
-        sent = sum(transfer[s] for s in mine)
-        hidden["p2p"] = m * min(sent, sum(stage_time[s] for s in mine) - sent)
+        hidden["p2p"] = m * (sum(stage_time[s] for s in mine) - ranks[busy])
     comm["pipeline_bubble"] = max(0.0, total - compute - sum(comm.values())
                                   + sum(hidden.values()))
     return PipelinePrice(stage_time, grad_sync, transfer, held, rank_memory, total, compute,
