@@ -11,8 +11,11 @@ modes, as Megatron-LM and torchtitan do:
 What runs (runtime/recompute.py) wraps runs of a rank's local ops in
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` (selective: with a policy from
 `create_selective_checkpoint_contexts` that saves the ops `saved_under_selective` names).
-Collectives are never inside a recomputed run: their results are kept, so backward issues no
-collective that the plan did not price.
+Under full recomputation the resharding collectives of activations (tensor and sequence
+parallelism) are inside the runs too, so backward issues them again and the runs keep what they
+read, as Megatron-LM and torchtitan do; under selective recomputation their results are kept.
+The planner prices either (solver/cost.py `recollected`), so backward issues no collective the
+plan did not price.
 
 Ops the model itself runs under `torch.utils.checkpoint` (non-reentrant) are recomputed in
 full unless the plan says otherwise (`PlanOptions.recompute="none"`).

@@ -7,9 +7,14 @@ consecutive local ops of one block and one mode becomes one submodule called thr
 only its inputs (full recomputation), or also the outputs of its products and attention
 (selective: a `create_selective_checkpoint_contexts` policy); in backward it runs again first.
 
-Collectives, FSDP gathers and slices end a run, so a collective is never issued again in
-backward: its result is an input of the next run, kept; except that an FSDP parameter the plan
-frees after forward is not kept by the runs that use it either: with `session` (what
+The resharding of an activation (the collectives and slices of tensor and sequence
+parallelism, emitted for an op recomputed in full) is part of that op's run: backward issues
+those collectives again, and the run keeps what they read, not what they made, as Megatron-LM's
+and torchtitan's full activation checkpointing do (priced by `CostModel.recollected`). Every
+rank of a collective's group runs the same program, so they all issue it again at the same
+point of backward. Under selective recomputation collectives end a run, and their results are
+kept. FSDP gathers always end a run; an FSDP parameter the plan frees after forward is not
+kept by the runs that use it either: with `session` (what
 `runtime.regather.resharding` puts on the mesh's collectives), a run is handed the gathered
 parameter in forward but keeps only the session's token for it, and backward gathers it again
 before running the block again, as FSDP2's pre-forward hook does under activation
@@ -39,6 +44,7 @@ from .recompute import SAVED_ATEN, Recompute
 from .torch_compat import outside_dispatch_modes
 
 RUN_ROLES = ("op", "getitem")
+RESHARD_ROLES = ("collective", "slice")  # inside an op's run when it is recomputed in full
 
 
 def _saved_ops() -> frozenset:
@@ -110,20 +116,36 @@ class RecomputedRun(torch.nn.Module):
         return checkpoint(fn, *inputs, use_reentrant=False)
 
 
-def _key(node: fx.Node, recompute: Recompute):
-    """(block, mode) of a node that belongs in a recomputed run, else None."""
+def _key(node: fx.Node, recompute: Recompute, ops: frozenset[str]):
+    """(block, mode) of a node that belongs in a recomputed run, else None. `ops`: the traced
+    ops the program computes (a resharding of anything else, a parameter or input, ends a
+    run)."""
     record = node.meta.get(META_KEY)
-    if node.op != "call_function" or record is None or record.role not in RUN_ROLES:
+    if node.op != "call_function" or record is None:
         return None
-    mode = recompute.mode_of.get(record.origin)
-    return None if mode is None else (recompute.block_of.get(record.origin), mode)
+    if record.role in RUN_ROLES:
+        op = record.origin
+    elif record.role in RESHARD_ROLES and record.origin in ops and \
+            recompute.mode_of.get(record.consumer) == "full":
+        op = record.consumer
+    else:
+        return None
+    mode = recompute.mode_of.get(op)
+    return None if mode is None else (recompute.block_of.get(op), mode)
+
+
+def _computed_ops(gm: fx.GraphModule) -> frozenset[str]:
+    return frozenset(record.origin for node in gm.graph.nodes
+                     if (record := node.meta.get(META_KEY)) is not None
+                     and record.role in RUN_ROLES)
 
 
 def recomputed_runs(gm: fx.GraphModule, recompute: Recompute) -> list[list[fx.Node]]:
     """The maximal runs of consecutive nodes of `gm` of one recomputed block and mode."""
     runs, current, key = [], [], None
+    ops = _computed_ops(gm)
     for node in gm.graph.nodes:
-        k = _key(node, recompute)
+        k = _key(node, recompute, ops)
         if k is not None and k == key:
             current.append(node)
             continue
@@ -142,6 +164,7 @@ def wrap_recomputed(gm: fx.GraphModule, recompute: Recompute,
     if not recompute.mode_of:
         return gm
     graph = gm.graph
+    ops = _computed_ops(gm)
     for i, run in enumerate(recomputed_runs(gm, recompute)):
         members = set(run)
         sub = fx.Graph()
@@ -156,8 +179,8 @@ def wrap_recomputed(gm: fx.GraphModule, recompute: Recompute,
         outputs = [n for n in run if any(u not in members for u in n.users)]
         sub.output(tuple(env[n] for n in outputs))
         name = f"recomputed_{i}"
-        gm.add_submodule(name, RecomputedRun(fx.GraphModule(gm, sub), _key(run[0], recompute)[1],
-                                            session))
+        mode = _key(run[0], recompute, ops)[1]
+        gm.add_submodule(name, RecomputedRun(fx.GraphModule(gm, sub), mode, session))
         with graph.inserting_before(run[0]):
             call = graph.call_module(name, tuple(inputs))
             for j, n in enumerate(outputs):

@@ -11,7 +11,8 @@ ILP still chooses everything the style leaves open.
 - "zero1", "zero2" (ZeRO-1 / ZeRO-2): as "data", but the optimizer state (and for "zero2" the
            gradients) of parameters that can take ZeRO there (passes/zero.py) are sharded.
 - "fsdp"   (ZeRO-3 / FSDP): as "data", but parameters with a dimension that splits evenly are
-           stored sharded and all-gathered for use (gradients reduce-scattered).
+           stored sharded and all-gathered for use (gradients reduce-scattered): the first
+           such dimension that no other mesh dimension shards (dim 0 where it can, as FSDP2).
 - "tensor" (Megatron): matrix and embedding parameters are stored sharded on this dimension and
            used where they live (column/row/vocabulary parallel); the ILP places activations.
 - "auto":  no restriction.
@@ -119,12 +120,20 @@ def _zero_ok(graph, v, s, k, stage: int) -> bool:
 
 def _first_split(v, graph, k, i) -> bool:
     """Whether strategy `i` of parameter `v` shards, on mesh dimension `k`, the first tensor
-    dimension that splits evenly there."""
-    p = v.strategies[i].output[k]
+    dimension that splits evenly there among those no other mesh dimension shards. (FSDP2 over
+    a tensor-parallel shard of dim 0 shards dim 0 again, strided: each data-parallel rank
+    holds a piece of the tensor-parallel rank's rows. Placements here nest mesh dimensions
+    the other way, outer first, so gathering the data-parallel dimension of such a storage
+    would not give the tensor-parallel shard; sharding the next dimension does, with one
+    all-gather of the same bytes.)"""
+    placements = v.strategies[i].output
+    p = placements[k]
     if not isinstance(p, Shard):
         return False
     n = graph.mesh_shape[k]
-    dims = [d for d, size in enumerate(v.out_shapes[0]) if size % n == 0 and size > 1]
+    taken = {q.dim for j, q in enumerate(placements) if j != k and isinstance(q, Shard)}
+    dims = [d for d, size in enumerate(v.out_shapes[0])
+            if size % n == 0 and size > 1 and d not in taken]
     return bool(dims) and p.dim == dims[0]
 
 

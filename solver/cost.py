@@ -234,10 +234,20 @@ class CostModel:
         share = 1.0 / max(1, facts.consumers[consumer.inputs[slot]]) if grouped else 1.0
         priced = [(kind, k, nbytes, t * share, phase)
                   for kind, k, nbytes, t, phase in self._priced_steps(steps, dtype, grad, latency)]
-        if grouped and self.regathered(graph, consumer, slot, src, dst):
+        if (grouped and self.regathered(graph, consumer, slot, src, dst)) or \
+                self.recollected(graph, consumer, slot):
             priced += [(kind, k, nbytes, t, "backward")
                        for kind, k, nbytes, t, phase in priced if phase == "forward"]
         return priced
+
+    def recollected(self, graph: StrategyGraph, consumer: SNode, slot: int) -> bool:
+        """Whether the resharding of input `slot` of `consumer` runs again in backward: an
+        activation's collectives (the producer is an op) feeding an op recomputed in full are
+        inside its recomputed run, so backward issues them again before running the block
+        (passes/recompute_regions.py), as Megatron-LM's and torchtitan's full activation
+        checkpointing do; their results are not kept."""
+        return self.recompute.mode_of.get(consumer.name) == "full" and \
+            graph.nodes[consumer.inputs[slot][0]].kind == OP
 
     def regathered(self, graph: StrategyGraph, consumer: SNode, slot: int, src: Placements,
                    dst: Placements) -> bool:
@@ -514,7 +524,8 @@ class CostModel:
         """`edge_time` by where it runs (see Split): a parameter's gathers from its storage
         (FSDP; the runtime gathers the next bucket while the current one computes,
         runtime/params.py) and their gradients' reduce-scatters beside compute; an
-        activation's resharding (tensor and sequence parallel) on the critical path."""
+        activation's resharding (tensor and sequence parallel) on the critical path, issued
+        once more in backward when its consumer is recomputed in full (`recollected`)."""
         producer = graph.nodes[consumer.inputs[slot][0]]
         if producer.kind != PARAM:
             index = consumer.inputs[slot][1]
@@ -522,8 +533,11 @@ class CostModel:
             shape = consumer.in_shapes[slot]
             whole = self.reshard_time(shape, dtype, src, dst,
                                       producer.requires_grad and dtype.is_floating_point)
+            if whole == INFEASIBLE:
+                return Split(INFEASIBLE, 0.0, 0.0, 0.0)
             fwd = self.reshard_time(shape, dtype, src, dst, False)
-            return Split(fwd, whole - fwd, 0.0, 0.0)
+            again = fwd if self.recollected(graph, consumer, slot) else 0.0
+            return Split(fwd, whole - fwd + again, 0.0, 0.0)
         try:
             steps = self.edge_collectives(graph, consumer, slot, src, dst)
         except ReshardError:
@@ -537,10 +551,7 @@ class CostModel:
         backward (see `edge_collectives`)."""
         producer = graph.nodes[consumer.inputs[slot][0]]
         if producer.kind != PARAM:
-            index = consumer.inputs[slot][1]
-            dtype = producer.out_dtypes[index or 0]
-            return self.reshard_time(consumer.in_shapes[slot], dtype, src, dst,
-                                     producer.requires_grad and dtype.is_floating_point)
+            return sum(self.edge_split(graph, consumer, slot, src, dst))
         try:
             return sum(c[3] for c in self.edge_collectives(graph, consumer, slot, src, dst))
         except ReshardError:

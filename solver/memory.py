@@ -84,6 +84,7 @@ class Prices(Protocol):
 
     def regathered(self, graph: StrategyGraph, consumer: SNode, slot: int, src, dst
                    ) -> bool: ...
+    def recollected(self, graph: StrategyGraph, consumer: SNode, slot: int) -> bool: ...
 
     reshard: frozenset[str]  # parameters whose gathered copies are freed after forward
     bucket_bytes: float      # FSDP gathers and gradient sync go in buckets of this size
@@ -343,9 +344,11 @@ def _region_input_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slo
                         src, dst) -> float:
     """Input `slot` of a recomputed op: nothing when its producer is recomputed in the same
     block (backward makes it again); else an input of the recomputed run, kept once for the
-    block (a share per reading op): what the last collective of the resharding made, or the
-    producer's own output (a parameter's or user input's own storage is not counted
-    again)."""
+    block (a share per reading op): the producer's own output (a parameter's or user input's
+    own storage is not counted again). A resharding collective on the way is inside the run
+    of an op recomputed in full (`CostModel.recollected`: backward issues it again), so the
+    run keeps what the collective reads; under selective recomputation it is not, and the
+    run keeps what its last collective made."""
     r = cost.recompute
     u, idx = consumer.inputs[slot]
     block = r.block_of.get(consumer.name)
@@ -356,7 +359,7 @@ def _region_input_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slo
         moved = _collective_output(cost, shape, src, dst)
     except ValueError:
         return 0.0
-    if moved is not None:  # collectives are never recomputed: their result is kept
+    if moved is not None and not cost.recollected(graph, consumer, slot):
         return float(cost.nbytes(moved, dtype))
     if r.block_of.get(u) == block:
         return 0.0

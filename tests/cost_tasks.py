@@ -252,3 +252,51 @@ def storage_bytes(name, mesh_shape, force, options: dict | None = None) -> dict:
             "predicted": {k: pm.plan.cost.memory[k]
                           for k in ("parameters", "gradients", "optimizer")},
             "zero": dict(pm.plan.zero), "params": count, "tensors": tensors}
+
+
+def issued_collectives(name, mesh_shape, force, recompute: str) -> dict:
+    """The collectives one training step issues (after a warm-up step), counted by where:
+    "forward" or "backward", and inside a recomputed run or not: {"backward/run/all_reduce":
+    count, ...}; with the plan's recomputation mode and its collectives (kind, phase)."""
+    from autopar.passes import recompute_regions, torch_compat
+
+    model, loss_fn, (x, y) = build(name)
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn,
+                             example_inputs=(x, y), force=force, recompute=recompute,
+                             microbatches=1)
+    pm.step(x, y)
+    depth = [0]
+    counts: dict[str, int] = {}
+    real_checkpoint = recompute_regions.checkpoint
+
+    def counted_checkpoint(fn, *args, **kwargs):
+        def inside(*a):
+            depth[0] += 1
+            try:
+                return fn(*a)
+            finally:
+                depth[0] -= 1
+        return real_checkpoint(inside, *args, **kwargs)
+
+    def counting(kind, call):
+        def issue(*args, **kwargs):
+            phase = "forward" if torch._C._current_graph_task_id() == -1 else "backward"
+            key = f"{phase}/{'run' if depth[0] else 'outside'}/{kind}"
+            counts[key] = counts.get(key, 0) + 1
+            return call(*args, **kwargs)
+        return issue
+
+    kinds = ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_to_all_single")
+    real = {k: getattr(torch_compat, k) for k in kinds}
+    recompute_regions.checkpoint = counted_checkpoint
+    for k in kinds:
+        setattr(torch_compat, k, counting(k.replace("_single", ""), real[k]))
+    try:
+        pm.step(x, y)
+    finally:
+        recompute_regions.checkpoint = real_checkpoint
+        for k in kinds:
+            setattr(torch_compat, k, real[k])
+    plan = pm.plan
+    return {"counts": counts, "mode": plan.recompute.mode,
+            "planned": [(c.kind, c.phase) for c in plan.collectives]}

@@ -1,6 +1,8 @@
 """Activation recomputation: priced by the planner, chosen when memory needs it, run under
 torch.utils.checkpoint with the same numbers as without, and the model's own checkpoints kept."""
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn as nn
@@ -154,3 +156,31 @@ def test_measured_activations_follow_the_prediction(world2):
             assert (predicted.get("recomputed", 0) > 0) == (mode != "none")
             held[mode] = got["measured"]
     assert held["full"] < held["selective"] < held["none"]
+
+
+DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
+        "all_reduce": "all_reduce", "all_to_all": "all_to_all"}
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_full_recomputation_issues_tensor_parallel_collectives_again(world2, mode):
+    """Under tensor parallelism a fully recomputed block's collectives are inside its run:
+    backward issues each of them again (and keeps what they read), as the plan prices it;
+    selective recomputation keeps their results and issues none again. Counted on the ranks:
+    what forward issues is what the plan lists for forward, and what backward issues inside
+    recomputed runs is the plan's backward collectives less the duals of its forward ones."""
+    for got in world2.run(cost_tasks.issued_collectives, "gpt", (2,), "tensor", mode):
+        counts = got["counts"]
+        planned = Counter(map(tuple, got["planned"]))
+        kinds = DUAL.keys()
+        issued = {k: sum(n for key, n in counts.items() if key.startswith("forward/")
+                         and key.endswith("/" + k)) for k in kinds}
+        assert issued == {k: planned[(k, "forward")] for k in kinds}
+        again = {k: counts.get(f"backward/run/{k}", 0) for k in kinds}
+        priced = {k: planned[(k, "backward")] - planned[(DUAL[k], "forward")] for k in kinds}
+        assert again == priced
+        in_runs = {k: counts.get(f"forward/run/{k}", 0) for k in kinds}
+        if mode == "full":
+            assert again == in_runs and sum(again.values()) > 0
+        else:
+            assert sum(again.values()) == sum(in_runs.values()) == 0
