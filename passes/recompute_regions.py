@@ -13,7 +13,9 @@ those collectives again, and the run keeps what they read, not what they made, a
 and torchtitan's full activation checkpointing do (priced by `CostModel.recollected`). Every
 rank of a collective's group runs the same program, so they all issue it again at the same
 point of backward. Under selective recomputation collectives end a run, and their results are
-kept. FSDP gathers always end a run; an FSDP parameter the plan frees after forward is not
+kept. A local slice (a view, of a parameter too) joins its consumer's run in either mode, so a
+tensor-parallel bias sliced for its product does not split a block. FSDP gathers always end a
+run; an FSDP parameter the plan frees after forward is not
 kept by the runs that use it either: with `session` (what
 `runtime.regather.resharding` puts on the mesh's collectives), a run is handed the gathered
 parameter in forward but keeps only the session's token for it, and backward gathers it again
@@ -44,7 +46,6 @@ from .recompute import SAVED_ATEN, Recompute
 from .torch_compat import outside_dispatch_modes
 
 RUN_ROLES = ("op", "getitem")
-RESHARD_ROLES = ("collective", "slice")  # inside an op's run when it is recomputed in full
 
 
 def _saved_ops() -> frozenset:
@@ -118,16 +119,16 @@ class RecomputedRun(torch.nn.Module):
 
 def _key(node: fx.Node, recompute: Recompute, ops: frozenset[str]):
     """(block, mode) of a node that belongs in a recomputed run, else None. `ops`: the traced
-    ops the program computes (a resharding of anything else, a parameter or input, ends a
+    ops the program computes (a collective moving anything else, a parameter or input, ends a
     run)."""
     record = node.meta.get(META_KEY)
     if node.op != "call_function" or record is None:
         return None
     if record.role in RUN_ROLES:
         op = record.origin
-    elif record.role in RESHARD_ROLES and record.origin in ops and \
-            recompute.mode_of.get(record.consumer) == "full":
-        op = record.consumer
+    elif record.role == "slice" or (record.role == "collective" and record.origin in ops and
+                                    recompute.mode_of.get(record.consumer) == "full"):
+        op = record.consumer  # a slice is a view (of a parameter too): it never ends a run
     else:
         return None
     mode = recompute.mode_of.get(op)
