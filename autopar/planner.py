@@ -34,6 +34,7 @@ from autopar.solver.diagnose import infeasible
 from autopar.solver.ilp import (
     NoFeasiblePlan,
     Solution,
+    compute_floor,
     loss_sink_time,
     plan_split,
     plan_time,
@@ -146,23 +147,9 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     styles = styles_by_dim(mesh, options.force)  # a bad force fails before the work
     shape = "x".join(map(str, mesh.shape))
     report(f"strategies for {len(program.graph.nodes)} graph nodes on mesh {shape}")
-    placed = input_placement(mesh, options)
-    key = (tuple(mesh.shape), placed)
-    if key not in program.strategy_graphs:  # the same for every level of a search
-        program.strategy_graphs.clear()  # one mesh's at a time (a mesh search tries several)
-        program.strategy_graphs[key] = strat_pass.build(program, mesh.shape, placed, zero=True)
-    graph = program.strategy_graphs[key]
-    mode = recompute or options.recompute or "none"
-    r = recompute_plan(program, graph, mode, keep_user=options.recompute != "none") \
-        if program.has_loss else NO_RECOMPUTE
+    graph, cost = priced_level(program, mesh, options, recompute, reshard, accumulation)
     mode = options.reshard_after_forward
     freed = mode is True or (mode is None and reshard)
-    cost = CostModel(mesh, options.optimizer, options.bucket_bytes, graph=graph,
-                     precision=options.precision, recompute=r, reshard=frozenset(
-                         n for n, v in graph.nodes.items() if v.kind == PARAM) if freed else (),
-                     accumulation=accumulation)
-    if options.profile not in (None, False):
-        cost = cost.copy(measured=profiler(options.profile).measure(graph, cost))
     budget = options.memory_budget
     if budget is None:
         budget = mesh.profile.memory * (1 - mesh.profile.memory_reserve)
@@ -213,6 +200,33 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     return plan, graph
 
 
+def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
+                 recompute: str | None = None, reshard: bool = False, accumulation: int = 1
+                 ) -> tuple[StrategyGraph, CostModel]:
+    """The strategy graph of `program` on `mesh` (built once per program and mesh, for every
+    level of a search) and its cost model with recomputation `recompute` (else the options'),
+    parameters freed after forward (`reshard`, unless the options say) and `accumulation`
+    microbatches (see solve_plan)."""
+    placed = input_placement(mesh, options)
+    key = (tuple(mesh.shape), placed)
+    if key not in program.strategy_graphs:  # the same for every level of a search
+        program.strategy_graphs.clear()  # one mesh's at a time (a mesh search tries several)
+        program.strategy_graphs[key] = strat_pass.build(program, mesh.shape, placed, zero=True)
+    graph = program.strategy_graphs[key]
+    mode = recompute or options.recompute or "none"
+    r = recompute_plan(program, graph, mode, keep_user=options.recompute != "none") \
+        if program.has_loss else NO_RECOMPUTE
+    mode = options.reshard_after_forward
+    freed = mode is True or (mode is None and reshard)
+    cost = CostModel(mesh, options.optimizer, options.bucket_bytes, graph=graph,
+                     precision=options.precision, recompute=r, reshard=frozenset(
+                         n for n, v in graph.nodes.items() if v.kind == PARAM) if freed else (),
+                     accumulation=accumulation)
+    if options.profile not in (None, False):
+        cost = cost.copy(measured=profiler(options.profile).measure(graph, cost))
+    return graph, cost
+
+
 def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
                       options: PlanOptions | None = None, *,
                       storage: dict[str, Placements] | None = None,
@@ -257,6 +271,9 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
         tried = m
         plain = False  # a plan fits at this count without recomputing more than levels[0]
         for i, (level, reshard) in enumerate(levels):
+            if found and level != levels[0][0] and m * level_floor(program, mesh, options, level) \
+                    >= min(f[0].cost.step_time for f in found):
+                continue  # no plan recomputing this much can beat one that fits already
             try:
                 # When the fastest plan keeping every parameter gathered does not fit, freeing
                 # (the next level) is where memory is found: no budgeted solve at this one.
@@ -291,6 +308,15 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
     what = f"recomputation ({', '.join(recompute)}) and " if len(recompute) > 1 else ""
     raise NoFeasiblePlan(f"{error} (tried {what}gradient accumulation up to {tried} "
                          "microbatches)", error.dominant, error.activations_matter) from None
+
+
+def level_floor(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
+                recompute: str) -> float:
+    """Seconds of compute per microbatch below which no plan of `program` recomputing
+    `recompute` goes (solver/ilp.py `compute_floor`)."""
+    graph, cost = priced_level(program, mesh, options, recompute)
+    clusters = cluster(graph, program.graph_module)
+    return compute_floor(graph, cost, clusters.twin)
 
 
 # A plan whose peak is within this share of the budget is held back by memory: recomputation

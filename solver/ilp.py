@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from autopar.passes.cluster import Clustering, identity
 from autopar.passes.gathers import use_groups
 from autopar.passes.placement import Partial, R
-from autopar.passes.strategies import PARAM, SNode, StrategyGraph
+from autopar.passes.strategies import CONSTANT, OP, PARAM, SNode, StrategyGraph
 
 from .cost import INFEASIBLE, NO_TIME, CostModel, Split, step_seconds
 from .memory import plan_memory
@@ -134,6 +134,18 @@ def _node_prices(graph: StrategyGraph, cost: CostModel, twin: dict[str, str] | N
         out[name] = [with_sink(p, loss_sink_time(cost, v, s.out(idx), idx))
                      for p, s in zip(out[name], v.strategies)]
     return out
+
+
+def compute_floor(graph: StrategyGraph, cost: CostModel,
+                  twin: dict[str, str] | None = None) -> float:
+    """Seconds of compute no plan of `graph` under `cost` goes below: each op at its cheapest
+    strategy (forward and backward, and the forward again where it recomputes), whatever its
+    neighbours and memory. A plan's step is at least its compute (collectives only add: what
+    hides under compute is at most their own seconds), so a search can skip a setting whose
+    floor is no better than a plan already found."""
+    prices = _node_prices(graph, cost, twin, cost.compute_time, lambda t, sink: t)
+    return sum(min((t for t in prices[v.name] if t != INFEASIBLE), default=0.0)
+               for v in graph.nodes.values() if v.kind in (OP, CONSTANT))
 
 
 def loss_sink_time(cost: CostModel, node: SNode, placement, idx) -> float:

@@ -9,7 +9,8 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 
 import autopar
-from autopar.passes.trace import TraceError
+from autopar import planner
+from autopar.passes.trace import TraceError, trace_example
 from autopar.solver.ilp import NoFeasiblePlan
 from tests import cost_tasks, rank_tasks
 from tests.rank_tasks import build
@@ -184,3 +185,42 @@ def test_full_recomputation_issues_tensor_parallel_collectives_again(world2, mod
             assert again == in_runs and sum(again.values()) > 0
         else:
             assert sum(again.values()) == sum(in_runs.values()) == 0
+
+
+def test_compute_floor_bounds_every_plan_of_its_level():
+    """Each op at its cheapest strategy is a floor on a plan's compute, hence its step: below
+    the compute of the plan the solver finds with each recomputation mode, and higher the
+    more the mode recomputes."""
+    model, loss_fn, example = build("gpt")
+    program = trace_example(model, example, loss_fn)
+    options = autopar.PlanOptions()
+    floors = {}
+    for mode in ("none", "selective", "full"):
+        plan = _plan(recompute=mode)
+        floors[mode] = planner.level_floor(program, SPEC, options, mode)
+        assert 0 < floors[mode] <= plan.cost.compute * (1 + 1e-9) <= plan.cost.step_time
+    assert floors["none"] < floors["selective"] < floors["full"]
+
+
+def test_planner_skips_recomputation_that_cannot_beat_a_plan_that_fits(monkeypatch):
+    """Once a plan fits, a recomputation level whose compute floor is no faster is not
+    solved; with floors that never rule out, the same budget tries the next levels."""
+    none, full = (_plan(recompute=r, force="data") for r in ("none", "full"))
+    budget = none.cost.peak_memory * 1.05  # fits without recomputation, and memory binds
+    tried = []
+    solve_plan = planner.solve_plan
+
+    def counted(*args, **kwargs):
+        tried.append(kwargs.get("recompute"))
+        return solve_plan(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "solve_plan", counted)
+    for floor, expect in ((float("inf"), ["none", "none"]), (0.0, None)):
+        tried.clear()
+        monkeypatch.setattr(planner, "level_floor", lambda *a, f=floor: f)
+        plan = _plan(force="data", memory_budget=budget, microbatches=1)
+        assert plan.recompute.mode == "none"
+        if expect is not None:
+            assert tried == expect
+        else:
+            assert "selective" in tried  # memory binds: the next level is tried
