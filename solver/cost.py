@@ -241,13 +241,14 @@ class CostModel:
         return priced
 
     def recollected(self, graph: StrategyGraph, consumer: SNode, slot: int) -> bool:
-        """Whether the resharding of input `slot` of `consumer` runs again in backward: an
-        activation's collectives (the producer is an op) feeding an op recomputed in full are
-        inside its recomputed run, so backward issues them again before running the block
-        (passes/recompute_regions.py), as Megatron-LM's and torchtitan's full activation
-        checkpointing do; their results are not kept."""
+        """Whether the resharding of input `slot` of `consumer` runs again in backward: the
+        collectives moving a value the program computes (an op's or a constant's, not a
+        parameter or input) to an op recomputed in full are inside its recomputed run, so
+        backward issues them again before running the block (passes/recompute_regions.py), as
+        Megatron-LM's and torchtitan's full activation checkpointing do; their results are
+        not kept."""
         return self.recompute.mode_of.get(consumer.name) == "full" and \
-            graph.nodes[consumer.inputs[slot][0]].kind == OP
+            graph.nodes[consumer.inputs[slot][0]].kind in (OP, CONSTANT)
 
     def regathered(self, graph: StrategyGraph, consumer: SNode, slot: int, src: Placements,
                    dst: Placements) -> bool:
