@@ -645,7 +645,9 @@ def _pipeline_cost(whole: PlanCost, step: float, compute: float, comm: dict, mem
 
 
 def _stage_cost(sub: MeshSpec, graph: StrategyGraph, optimizer, precision, profile) -> CostModel:
-    cost = CostModel(sub, optimizer, graph=graph, precision=precision)
+    # a stage's program gathers each FSDP parameter where it is used (no prefetch buckets:
+    # they would cross the stage cuts), waiting for it
+    cost = CostModel(sub, optimizer, graph=graph, precision=precision, prefetch=False)
     if profile is not None:
         cost = cost.copy(measured=profile.measure(graph, cost))
     return cost
