@@ -149,7 +149,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     report(f"strategies for {len(program.graph.nodes)} graph nodes on mesh {shape}")
     graph, cost = priced_level(program, mesh, options, recompute, reshard, accumulation)
     mode = options.reshard_after_forward
-    freed = mode is True or (mode is None and reshard)
+    freed = frees_after_forward(options, reshard)
     budget = options.memory_budget
     if budget is None:
         budget = mesh.profile.memory * (1 - mesh.profile.memory_reserve)
@@ -216,15 +216,21 @@ def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
     mode = recompute or options.recompute or "none"
     r = recompute_plan(program, graph, mode, keep_user=options.recompute != "none") \
         if program.has_loss else NO_RECOMPUTE
-    mode = options.reshard_after_forward
-    freed = mode is True or (mode is None and reshard)
     cost = CostModel(mesh, options.optimizer, options.bucket_bytes, graph=graph,
                      precision=options.precision, recompute=r, reshard=frozenset(
-                         n for n, v in graph.nodes.items() if v.kind == PARAM) if freed else (),
+                         n for n, v in graph.nodes.items() if v.kind == PARAM)
+                     if frees_after_forward(options, reshard) else (),
                      accumulation=accumulation)
     if options.profile not in (None, False):
         cost = cost.copy(measured=profiler(options.profile).measure(graph, cost))
     return graph, cost
+
+
+def frees_after_forward(options: PlanOptions, reshard: bool) -> bool:
+    """Whether the ILP prices every gathered parameter as freed after forward: as the
+    options say, else as the search level (`reshard`) says."""
+    mode = options.reshard_after_forward
+    return mode is True or (mode is None and reshard)
 
 
 def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,

@@ -141,8 +141,10 @@ def _computed_ops(gm: fx.GraphModule) -> frozenset[str]:
                      and record.role in RUN_ROLES)
 
 
-def recomputed_runs(gm: fx.GraphModule, recompute: Recompute) -> list[list[fx.Node]]:
-    """The maximal runs of consecutive nodes of `gm` of one recomputed block and mode."""
+def recomputed_runs(gm: fx.GraphModule, recompute: Recompute
+                    ) -> list[tuple[list[fx.Node], str]]:
+    """The maximal runs of consecutive nodes of `gm` of one recomputed block and mode, each
+    with its mode."""
     runs, current, key = [], [], None
     ops = _computed_ops(gm)
     for node in gm.graph.nodes:
@@ -151,10 +153,10 @@ def recomputed_runs(gm: fx.GraphModule, recompute: Recompute) -> list[list[fx.No
             current.append(node)
             continue
         if current:
-            runs.append(current)
+            runs.append((current, key[1]))
         current, key = ([node], k) if k is not None else ([], None)
     if current:
-        runs.append(current)
+        runs.append((current, key[1]))
     return runs
 
 
@@ -165,8 +167,7 @@ def wrap_recomputed(gm: fx.GraphModule, recompute: Recompute,
     if not recompute.mode_of:
         return gm
     graph = gm.graph
-    ops = _computed_ops(gm)
-    for i, run in enumerate(recomputed_runs(gm, recompute)):
+    for i, (run, mode) in enumerate(recomputed_runs(gm, recompute)):
         members = set(run)
         sub = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
@@ -180,7 +181,6 @@ def wrap_recomputed(gm: fx.GraphModule, recompute: Recompute,
         outputs = [n for n in run if any(u not in members for u in n.users)]
         sub.output(tuple(env[n] for n in outputs))
         name = f"recomputed_{i}"
-        mode = _key(run[0], recompute, ops)[1]
         gm.add_submodule(name, RecomputedRun(fx.GraphModule(gm, sub), mode, session))
         with graph.inserting_before(run[0]):
             call = graph.call_module(name, tuple(inputs))

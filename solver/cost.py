@@ -532,9 +532,9 @@ class CostModel:
         """`edge_time` by where it runs (see Split): a parameter's gathers from its storage
         (FSDP; the runtime gathers the next bucket while the current one computes,
         runtime/params.py) and their gradients' reduce-scatters beside compute (on the
-        critical path without `prefetch`); an
-        activation's resharding (tensor and sequence parallel) on the critical path, issued
-        once more in backward when its consumer is recomputed in full (`recollected`)."""
+        critical path without `prefetch`); an activation's resharding (tensor and sequence
+        parallel) on the critical path, issued once more in backward when its consumer is
+        recomputed in full (`recollected`)."""
         producer = graph.nodes[consumer.inputs[slot][0]]
         if producer.kind != PARAM:
             index = consumer.inputs[slot][1]
