@@ -259,12 +259,14 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
            memory_budget: float | None, backend: str, time_limit: float, gap: float,
            forced: dict[str, list[int]] | None, discouraged: dict[str, list[int]] | None,
            minimize: str, unbounded_only: bool, exact_overlap: bool,
-           fallback: bool = True, side_share: float | None = None) -> Solution | None:
+           fallback: bool = True, side_share: float | None = None,
+           binds: bool = False) -> Solution | None:
     """`solve` on a built problem. Without `fallback` a solve that runs out of time before
     any plan returns None instead of the greedy plan (the re-solves of `refined`, whose
     caller keeps the plan it has then). `side_share`: the share of side seconds the
     objective prices without the exact rows (default: the unhidden share, the relaxation;
-    1: every side second, as if nothing overlapped)."""
+    1: every side second, as if nothing overlapped). With `binds` the budget is known to
+    bind (a re-solve after the fastest plan did not fit): solved under it at once."""
     from ortools.linear_solver import pywraplp  # imported when first solving: import is slow
 
     by_memory = minimize == "memory"
@@ -385,17 +387,19 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
     def run() -> Solution:
         return solved()
 
-    def refined(sol: Solution) -> Solution:
+    def refined(sol: Solution, binding: bool) -> Solution:
         """With overlap the solves above are relaxed: every side second hidden but the
         unhidden share, a lower bound of the step, and its optimum when the plan's side
         collectives do fit under its compute in each pass. Otherwise the ILP is solved again
         (the same problem, priced once) with each pass's longer side priced exactly (the rows
         of `_overlapped_passes`, under the budget; slower: EXACT_SECONDS at most), and its
-        plan taken when it is faster and fits. When that solve finds no plan in its time, the
-        ILP is solved with every side second priced, as if nothing overlapped (as fast as the
-        relaxed solve; under a binding budget its plan is often far faster than the relaxed
-        one, which gathers more than compute hides), and the faster plan, priced exactly,
-        kept."""
+        plan taken when it is faster and fits. When that solve finds no faster plan in its
+        time, the ILP is solved with every side second priced, as if nothing overlapped
+        (under a binding budget its plan is often far faster than the relaxed one, which
+        gathers more than compute hides), and the faster plan, priced exactly, kept. (On
+        Llama-3 70B over 512 x 2 H100s the exact solve runs out of time without a plan, or
+        HiGHS stops at a plan three times slower than the relaxed one.) When `binding` (the
+        fastest plan did not fit), the re-solves are solved under the budget at once."""
         if not split or exact_overlap or side_share is not None or \
                 sol.status.startswith("greedy"):
             return sol  # (the re-solves below are not refined again)
@@ -407,28 +411,30 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
             return _solve(graph, cost, problem, c, memory_budget, backend,
                           min(time_limit, EXACT_SECONDS) if exact else time_limit, gap, forced,
                           discouraged, minimize, False, exact, fallback=False,
-                          side_share=None if exact else 1.0)
+                          side_share=None if exact else 1.0, binds=binding)
 
-        try:
-            better = again(exact=True) or again(exact=False)
-        except NoFeasiblePlan:
-            return sol
-        if better is None or better.objective >= sol.objective:
-            return sol
-        fits = memory_budget is None or memory_budget == float("inf") or \
-            plan_memory(graph, cost, better.choice) <= memory_budget
-        return better if fits else sol
+        for exact in (True, False):
+            try:
+                better = again(exact)
+            except NoFeasiblePlan:
+                continue
+            if better is not None and better.objective < sol.objective and (
+                    memory_budget is None or memory_budget == float("inf") or
+                    plan_memory(graph, cost, better.choice) <= memory_budget):
+                return better
+        return sol
 
     if memory_budget is None or by_memory or memory_budget == float("inf"):
-        return refined(run())
-    # Without the budget first: several times faster, and when that plan fits, no plan that
-    # fits is faster.
-    sol = run()
-    if sol is None:  # out of time without a plan, and no fallback asked for
-        return None
-    peak = plan_memory(graph, cost, sol.choice)
-    if peak <= memory_budget:
-        return refined(sol)
+        return refined(run(), False)
+    if not binds:
+        # Without the budget first: several times faster, and when that plan fits, no plan
+        # that fits is faster.
+        sol = run()
+        if sol is None:  # out of time without a plan, and no fallback asked for
+            return None
+        peak = plan_memory(graph, cost, sol.choice)
+        if peak <= memory_budget:
+            return refined(sol, False)
     if unbounded_only:
         raise NoFeasiblePlan(f"the fastest plan ({peak / 2**30:.3f} GiB per device) does not "
                              f"fit the budget of {memory_budget / 2**30:.3f} GiB",
@@ -438,7 +444,7 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
                + sum(var * (problem.edge_memory[i][ab] * GIB) for i, ab, var in y_terms
                      if problem.edge_memory[i].get(ab))
                + (gathered if gathered is not None else 0) <= memory_budget * GIB)
-    return refined(run())
+    return refined(run(), True)
 
 
 @contextlib.contextmanager

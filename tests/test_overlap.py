@@ -163,3 +163,76 @@ def test_gathers_without_prefetch_wait_on_the_critical_path_at_their_whole_laten
             assert alone.edge_time(graph, v, slot, src, dst) == pytest.approx(sum(crit))
             checked += 1
     assert checked >= 4 and smaller >= 2
+
+
+def _slow_overlapped_mlp():
+    """An MLP on 2 ranks of a made-up profile whose links are slow and overlapped, with small
+    buckets (side collectives outlast compute), and a budget binding between its least and
+    its fastest plan's memory."""
+    import dataclasses
+
+    from autopar.solver.memory import plan_memory
+
+    slow = dataclasses.replace(autopar.CPU, name="slow-overlapped", overlap=True,
+                               intra_node=dataclasses.replace(autopar.CPU.intra_node,
+                                                              bandwidth=2e6))
+    torch.manual_seed(0)
+    model = MLP([64, 64, 64, 64], activation="relu")
+    x, y = torch.randn(64, 64), torch.randint(0, 64, (64,))
+    graph = strategies.build(trace(model, (x,), F.cross_entropy, y), (2,))
+    cost = CostModel(autopar.MeshSpec((2,), hardware=slow), bucket_bytes=1024, graph=graph)
+    hi = plan_memory(graph, cost, solve(graph, cost).choice)
+    lo = plan_memory(graph, cost, solve(graph, cost, minimize="memory").choice)
+    return graph, cost, lo + 0.8 * (hi - lo)
+
+
+def test_re_solves_under_a_binding_budget_skip_the_solve_without_it(monkeypatch):
+    """Once the fastest plan did not fit, the exact re-solve goes straight to the budget: one
+    HiGHS solve for it, not a solve without the budget first (on Llama-3 70B over 512 x 2
+    H100s that first solve took 7 s with the exact rows, for a plan known not to fit)."""
+    from ortools.linear_solver import pywraplp
+
+    from autopar.solver import ilp
+
+    graph, cost, budget = _slow_overlapped_mlp()
+    calls = []
+    real = pywraplp.Solver.Solve
+    monkeypatch.setattr(pywraplp.Solver, "Solve",
+                        lambda self, *a: calls.append(self.NumConstraints()) or real(self, *a))
+    sol = solve(graph, cost, memory_budget=budget)
+    # without the budget, under it (relaxed), under it with the exact rows; nothing more
+    # when the exact plan is the fastest
+    exact_rows = calls[2] - calls[1]
+    assert calls[1] == calls[0] + 1 and exact_rows > 0
+    assert len(calls) == 3
+    assert sol.objective == pytest.approx(plan_time(graph, cost, sol.choice), rel=1e-6)
+    assert ilp.plan_memory(graph, cost, sol.choice) <= budget
+
+
+def test_an_exact_re_solve_that_finds_nothing_faster_leaves_the_unoverlapped_one_to_try(
+        monkeypatch):
+    """When the exact re-solve stops at a plan no faster than the relaxed one (HiGHS did so
+    on Llama-3 70B over 512 x 2 H100s: "optimal" at three times the relaxed plan's step), the
+    solve priced as if nothing overlapped still runs, as when the exact solve finds nothing:
+    both give the same answer."""
+    from autopar.solver import ilp
+    from autopar.solver.cost import NO_TIME
+
+    graph, cost, budget = _slow_overlapped_mlp()
+    real, solve_real = ilp._overlapped_passes, ilp._solve
+    shares = []
+    monkeypatch.setattr(ilp, "_solve", lambda *a, **k: shares.append(k.get("side_share"))
+                        or solve_real(*a, **k))
+
+    def blind(solver, objective, side, scale, edge):  # the exact rows, side seconds unseen
+        real(solver, objective, [(var, NO_TIME) for var, _ in side], scale, edge)
+
+    monkeypatch.setattr(ilp, "_overlapped_passes", blind)
+    blinded = solve(graph, cost, memory_budget=budget)
+    assert shares == [None, None, 1.0]  # relaxed, exact (blind), as if nothing overlapped
+
+    def nothing(*a):
+        raise ilp.NoFeasiblePlan("no plan in time")
+
+    monkeypatch.setattr(ilp, "_overlapped_passes", nothing)
+    assert solve(graph, cost, memory_budget=budget).choice == blinded.choice
