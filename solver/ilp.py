@@ -280,6 +280,9 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
         # HiGHS's presolve doubles the root's work on these problems and never shrinks them
         # (Llama-3 70B on (8, 8) under a binding budget: 8.7 s with it, 4.7 s without, same
         # optimum). OR-Tools applies the option but reports False whatever the string.
+        # (With the exact overlap rows it is a draw: for Llama-3 70B over 512 x 2 H100s
+        # under the budget it found the optimum in 31 s where without it no plan came in
+        # 60 s; over 256 x 4, within EXACT_SECONDS, a plan 7% slower than without it.)
         solver.SetSolverSpecificParametersAsString("presolve = off")
     solver.SetTimeLimit(int(time_limit * 1000))
     x: dict[str, list] = {}
@@ -393,13 +396,14 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
         collectives do fit under its compute in each pass. Otherwise the ILP is solved again
         (the same problem, priced once) with each pass's longer side priced exactly (the rows
         of `_overlapped_passes`, under the budget; slower: EXACT_SECONDS at most), and its
-        plan taken when it is faster and fits. When that solve finds no faster plan in its
-        time, the ILP is solved with every side second priced, as if nothing overlapped
-        (under a binding budget its plan is often far faster than the relaxed one, which
-        gathers more than compute hides), and the faster plan, priced exactly, kept. (On
-        Llama-3 70B over 512 x 2 H100s the exact solve runs out of time without a plan, or
-        HiGHS stops at a plan three times slower than the relaxed one.) When `binding` (the
-        fastest plan did not fit), the re-solves are solved under the budget at once."""
+        plan taken when it is faster and fits. Unless that plan is proven optimal, the ILP is
+        also solved with every side second priced, as if nothing overlapped (under a binding
+        budget its plan is often far faster than the relaxed one, which gathers more than
+        compute hides), and the fastest plan, priced exactly, kept: the exact solve often
+        runs out of time without a plan, or stops at a slower one (Llama-3 70B over 512 x 2
+        H100s given 150 s, HiGHS even reported "optimal" a plan three times slower than the
+        relaxed one). When `binding` (the fastest plan did not fit), the re-solves are
+        solved under the budget at once."""
         if not split or exact_overlap or side_share is not None or \
                 sol.status.startswith("greedy"):
             return sol  # (the re-solves below are not refined again)
@@ -413,16 +417,19 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
                           discouraged, minimize, False, exact, fallback=False,
                           side_share=None if exact else 1.0, binds=binding)
 
+        best = sol
         for exact in (True, False):
             try:
                 better = again(exact)
             except NoFeasiblePlan:
                 continue
-            if better is not None and better.objective < sol.objective and (
+            if better is not None and better.objective < best.objective and (
                     memory_budget is None or memory_budget == float("inf") or
                     plan_memory(graph, cost, better.choice) <= memory_budget):
-                return better
-        return sol
+                best = better
+                if exact and better.status == "optimal":
+                    break  # proven fastest
+        return best
 
     if memory_budget is None or by_memory or memory_budget == float("inf"):
         return refined(run(), False)
