@@ -79,7 +79,9 @@ class Split(NamedTuple):
 
     def plus(self, other: Split, times: float = 1.0) -> Split:
         """The sum with `times` x `other`."""
-        return Split(*(a + times * b for a, b in zip(self, other)))
+        # spelled out: building the ILP adds hundreds of thousands of these
+        return Split(self[0] + times * other[0], self[1] + times * other[1],
+                     self[2] + times * other[2], self[3] + times * other[3])
 
 
 NO_TIME = Split(0.0, 0.0, 0.0, 0.0)

@@ -596,13 +596,14 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
         a_of = [u.strategies[j].out(e.out_index) for j in c.index[u.name]]
         b_of = [v.strategies[j].inputs[e.slot] for j in c.index[v.name]]
 
-        def price(a, b, v=v, e=e, count=count):
-            p = cost.edge_time(graph, v, e.slot, a, b)
-            return p if p == INFEASIBLE else p * count
-
-        def split(a, b, v=v, e=e, count=count):  # the price by where it runs
-            return NO_TIME.plus(cost.edge_split(graph, v, e.slot, a, b), count) if overlap \
-                else NO_TIME
+        def priced(a, b, v=v, e=e, count=count) -> tuple[float, Split]:
+            """The price and (with overlap) the price by where it runs."""
+            if not overlap:
+                p = cost.edge_time(graph, v, e.slot, a, b)
+                return (p if p == INFEASIBLE else p * count), NO_TIME
+            sp = cost.edge_split(graph, v, e.slot, a, b)  # edge_time is its sum
+            p = sum(sp)
+            return (p if p == INFEASIBLE else p * count), NO_TIME.plus(sp, count)
 
         def kept(a, b, v=v, e=e, count=count):  # bytes autograd keeps of the edge's tensor
             return cost.edge_memory(graph, v, e.slot, a, b) * count
@@ -617,8 +618,9 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
 
         if ou == ov:  # both ends decided together: a cost per owner strategy
             for k, (a, b) in enumerate(zip(a_of, b_of)):
-                _add(node_cost[ou], k, price(a, b))
-                node_split[ou][k] = node_split[ou][k].plus(split(a, b))
+                p, sp = priced(a, b)
+                _add(node_cost[ou], k, p)
+                node_split[ou][k] = node_split[ou][k].plus(sp)
                 memory[ou][k] += kept(a, b)
             if in_buckets:
                 bucketed(("x", ou, {k: held(a, b) for k, (a, b) in enumerate(zip(a_of, b_of))}))
@@ -630,7 +632,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
             for a, ks in a_cls.items():
                 for b, js in b_cls.items():
                     idxs = js if len(a_cls) == 1 else ks
-                    p, m, sp = price(a, b), kept(a, b), split(a, b)
+                    (p, sp), m = priced(a, b), kept(a, b)
                     g = held(a, b) if in_buckets else 0.0
                     for k in idxs:
                         _add(node_cost[owner], k, p)
@@ -643,8 +645,9 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
         pairs = [(a, b) for a in a_cls for b in b_cls]
         if in_buckets:
             bucketed(("y", len(blocks), {ab: held(*ab) for ab in pairs}))
-        blocks.append((ou, ov, a_of, b_of, {ab: price(*ab) for ab in pairs},
-                       {ab: kept(*ab) for ab in pairs}, {ab: split(*ab) for ab in pairs}))
+        prices = {ab: priced(*ab) for ab in pairs}
+        blocks.append((ou, ov, a_of, b_of, {ab: p for ab, (p, _) in prices.items()},
+                       {ab: kept(*ab) for ab in pairs}, {ab: sp for ab, (_, sp) in prices.items()}))
     merged, where = _merge_blocks(blocks)
     terms = [[(kind, where[at] if kind == "y" else at, held) for kind, at, held in bucket]
              for _, bucket in sorted(buckets.items())]
