@@ -40,6 +40,7 @@ the resharding to Replicate, except from a pending sum (see `loss_sink_time`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import sys
@@ -68,9 +69,10 @@ class NoFeasiblePlan(RuntimeError):
     its activations."""
 
     def __init__(self, message: str, dominant: str | None = None,
-                 activations_matter: bool | None = None):
+                 activations_matter: bool | None = None, bound: float | None = None):
         super().__init__(message)
         self.dominant = dominant
+        self.bound = bound  # Solution.bound of the problem, where the solve got that far
         # whether fewer activations alone could make a plan fit (recomputation, microbatches)
         self.activations_matter = dominant == "activations" if activations_matter is None \
             else activations_matter
@@ -87,6 +89,11 @@ class Solution:
     status: str
     num_variables: int
     num_constraints: int
+    # Seconds no plan of the problem steps faster than, whatever the budget: the optimum
+    # without the budget, relaxed where collectives overlap (every side second hidden but
+    # the unhidden share; within the tie-break's 0.1% of side seconds). None where unknown
+    # (penalized strategies, a solve stopped by its time limit).
+    bound: float | None = None
 
 
 @dataclass
@@ -431,27 +438,45 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
                     break  # proven fastest
         return best
 
+    def lower_bound(sol: Solution | None) -> float | None:  # of a solve without the budget
+        if sol is None or by_memory or discouraged or exact_overlap or \
+                side_share is not None or sol.status != "optimal":
+            return None
+        return objective.Value() / scale
+
+    def bounded(sol: Solution | None, bound: float | None) -> Solution | None:
+        return sol if sol is None else dataclasses.replace(sol, bound=bound)
+
     if memory_budget is None or by_memory or memory_budget == float("inf"):
-        return refined(run(), False)
+        sol = run()
+        bound = lower_bound(sol)
+        return bounded(refined(sol, False), bound)
+    bound = None
     if not binds:
         # Without the budget first: several times faster, and when that plan fits, no plan
         # that fits is faster.
         sol = run()
         if sol is None:  # out of time without a plan, and no fallback asked for
             return None
+        bound = lower_bound(sol)
         peak = plan_memory(graph, cost, sol.choice)
         if peak <= memory_budget:
-            return refined(sol, False)
+            return bounded(refined(sol, False), bound)
     if unbounded_only:
         raise NoFeasiblePlan(f"the fastest plan ({peak / 2**30:.3f} GiB per device) does not "
                              f"fit the budget of {memory_budget / 2**30:.3f} GiB",
-                             "activations", True)
+                             "activations", True, bound)
     solver.Add(sum(x[o][k] * (m * GIB) for o, ms in problem.memory.items()
                    for k, m in enumerate(ms) if m)
                + sum(var * (problem.edge_memory[i][ab] * GIB) for i, ab, var in y_terms
                      if problem.edge_memory[i].get(ab))
                + (gathered if gathered is not None else 0) <= memory_budget * GIB)
-    return refined(run(), True)
+    try:
+        sol = run()
+    except NoFeasiblePlan as e:
+        e.bound = bound
+        raise
+    return bounded(refined(sol, True), bound)
 
 
 @contextlib.contextmanager

@@ -235,3 +235,21 @@ def test_an_exact_re_solve_that_finds_nothing_faster_leaves_the_unoverlapped_one
 
     monkeypatch.setattr(ilp, "_overlapped_passes", nothing)
     assert solve(graph, cost, memory_budget=budget).choice == blinded.choice
+
+
+def test_the_solvers_bound_is_below_every_plan_whatever_the_budget():
+    """`Solution.bound` (the relaxed optimum without the budget) is below the exact optimum
+    (enumerated), below the plan found under a binding budget, which reports the same bound,
+    and comes with the error when no plan fits."""
+    from autopar.solver.ilp import NoFeasiblePlan
+    from tests.test_solver_properties import brute_force
+
+    graph, cost, budget = _slow_overlapped_mlp()
+    free = solve(graph, cost)
+    assert 0 < free.bound <= brute_force(graph, cost) * (1 + 1e-3)
+    assert free.bound < free.objective  # relaxed: the side collectives do not all hide
+    binding = solve(graph, cost, memory_budget=budget)
+    assert binding.bound == pytest.approx(free.bound) and binding.bound < binding.objective
+    with pytest.raises(NoFeasiblePlan) as e:
+        solve(graph, cost, memory_budget=1.0)
+    assert e.value.bound == pytest.approx(free.bound)

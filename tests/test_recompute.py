@@ -202,6 +202,36 @@ def test_compute_floor_bounds_every_plan_of_its_level():
     assert floors["none"] < floors["selective"] < floors["full"]
 
 
+def test_planner_skips_levels_its_solvers_bound_puts_within_the_gap(monkeypatch):
+    """Each level of the memory search only adds work to every plan (parameters gathered
+    again, ops recomputed), so the first level's bound (the solver's optimum without the
+    budget) is below every plan found; once a plan fits within LEVEL_GAP of it, the next
+    levels are not solved, and with no gap allowed they are."""
+    none = _plan(recompute="none")
+    budget = none.cost.peak_memory * 1.05  # fits without recomputation, and memory binds
+    tried, bounds, steps = [], [], []
+    solve_plan = planner.solve_plan
+
+    def counted(*args, **kwargs):
+        tried.append(kwargs.get("recompute"))
+        if kwargs.get("bounds") is not None:
+            bounds.append(kwargs["bounds"])
+        plan, graph = solve_plan(*args, **kwargs)
+        steps.append(plan.cost.step_time)
+        return plan, graph
+
+    monkeypatch.setattr(planner, "solve_plan", counted)
+    monkeypatch.setattr(planner, "level_floor", lambda *a: 0.0)  # floors rule nothing out
+    for gap, skipped in ((float("inf"), True), (-1.0, False)):
+        tried.clear(), bounds.clear(), steps.clear()
+        monkeypatch.setattr(planner, "LEVEL_GAP", gap)
+        plan = _plan(memory_budget=budget, microbatches=1)
+        assert plan.recompute.mode == "none"
+        (bound,), = bounds  # the first level's, one per microbatch count
+        assert 0 < bound <= min(steps) * (1 + 1e-3)
+        assert ("selective" in tried) is not skipped
+
+
 def test_planner_skips_recomputation_that_cannot_beat_a_plan_that_fits(monkeypatch):
     """Once a plan fits, a recomputation level whose compute floor is no faster is not
     solved; with floors that never rule out, the same budget tries the next levels."""
