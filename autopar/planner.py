@@ -253,8 +253,8 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
     (`options.recompute`; when None, none, then selective, then full, for each microbatch
     count, while activations keep the plan from fitting or memory binds its placements: a
     peak above BINDING of the budget) is the other way to fit: of the plans that fit, the one
-    with the shortest step wins. A level whose plans the solver bounds within LEVEL_GAP of a
-    plan found, or whose compute alone is slower than one, is not solved. Returns the plan (its
+    with the shortest step wins. A level whose plans the solver bounds, or whose compute alone
+    is, within LEVEL_GAP of a plan found, is not solved. Returns the plan (its
     `accumulation`; its cost for the whole step, gradients synchronized once), the strategy
     graph and the traced program of one microbatch. Without `accumulate` (an inference
     program) the whole batch, always."""
@@ -291,7 +291,8 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
         for i, (level, reshard) in enumerate(levels):
             if i and bounds and bounds[0] * (1 + LEVEL_GAP) >= fastest:
                 continue  # no plan at this level can be LEVEL_GAP faster than one that fits
-            if found and level != levels[0][0] and m * level_floor(program, mesh, options, level) \
+            if found and level != levels[0][0] and \
+                    m * level_floor(program, mesh, options, level) * (1 + LEVEL_GAP) \
                     >= min(f[0].cost.step_time for f in found):
                 continue  # no plan recomputing this much can beat one that fits already
             try:
@@ -342,10 +343,11 @@ def level_floor(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
 
 
 # A level of the memory search (parameters freed after forward, recomputation) is not solved
-# when the solver's bound says none of its plans can be this much faster than a plan already
-# found at the same microbatch count: the step model is not that precise, and each level costs
-# a solve (Llama-3 70B on (8, 8) under the H100's memory: selective recomputation would gain
-# 0.14% for 7 s of planning).
+# when the solver's bound or its compute floor says none of its plans can be this much faster
+# than a plan already found: the step model is not that precise, and each level costs a solve
+# (Llama-3 70B on (8, 8) under the H100's memory: selective recomputation would gain 0.14% for
+# 7 s of planning; Llama-3 8B over 32 x 2 H100s: full recomputation's floor is 0.08% below
+# the plan found, and its solve took 7 s).
 LEVEL_GAP = 0.02
 
 # A plan whose peak is within this share of the budget is held back by memory: recomputation
