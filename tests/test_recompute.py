@@ -223,7 +223,8 @@ def test_planner_skips_levels_its_solvers_bound_puts_within_the_gap(monkeypatch)
     monkeypatch.setattr(planner, "solve_plan", counted)
     monkeypatch.setattr(planner, "level_floor", lambda *a: 0.0)  # floors rule nothing out
     for gap, skipped in ((float("inf"), True), (-1.0, False)):
-        tried.clear(), bounds.clear(), steps.clear()
+        for seen in (tried, bounds, steps):
+            seen.clear()
         monkeypatch.setattr(planner, "LEVEL_GAP", gap)
         plan = _plan(memory_budget=budget, microbatches=1)
         assert plan.recompute.mode == "none"
