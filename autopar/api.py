@@ -9,6 +9,7 @@ import torch.nn as nn
 from autopar.passes.trace import meta_copy, trace
 from autopar.solver.specs import compute_dtype
 
+from .collector import planning
 from .inputs import batch_of, microbatch, on_meta, split_call
 from .mesh import MeshSpec
 from .options import PlanOptions
@@ -21,6 +22,7 @@ from .search import Cluster, search_mesh
 __all__ = ["PlanMismatchError", "parallelize", "plan"]
 
 
+@planning
 def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=None, *,
          example_kwargs: dict | None = None, options: PlanOptions | None = None,
          **option_fields) -> Plan:

@@ -43,6 +43,7 @@ from autopar.solver.ilp import (
 )
 from autopar.solver.memory import memory_split
 
+from .collector import planning
 from .mesh import MeshSpec
 from .options import RECOMPUTE, PlanOptions
 from .plan import Collective, OpEntry, PipelinePlan, Plan, PlanCost
@@ -240,6 +241,7 @@ def frees_after_forward(options: PlanOptions, reshard: bool) -> bool:
     return mode is True or (mode is None and reshard)
 
 
+@planning
 def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
                       options: PlanOptions | None = None, *,
                       storage: dict[str, Placements] | None = None,
@@ -543,6 +545,7 @@ def _local(shape, placements, mesh: MeshSpec):
 
 # -- pipelined plans (a "pp" mesh dimension) -----------------------------------------------------
 
+@planning
 def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
                         options: PlanOptions | None = None) -> Plan:
     """Plan a model over a mesh with a "pp" dimension: cut it into pipeline stages

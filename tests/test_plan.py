@@ -176,3 +176,28 @@ def test_explain_gives_the_choice_and_the_alternatives(tmp_path):
     assert str(autopar.Plan.load(str(path)).explain(op)) == str(plan.explain(op))
     with pytest.raises(KeyError, match="did you mean"):
         plan.explain("h.0.attn.c_atn")
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it():
+    import gc
+    seen = []
+
+    def loss(out, target):  # traced: runs while autopar plans
+        seen.append(gc.isenabled())
+        return lm_loss(out, target)
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    x = torch.randint(0, 64, (4, 16))
+    spec = autopar.MeshSpec((2,), names=("dp",))
+    assert gc.isenabled()
+    autopar.plan(model, spec, (x, x), loss_fn=loss)
+    assert seen and not any(seen) and gc.isenabled()
+    with pytest.raises(ValueError):  # an error on the way out restores it too
+        autopar.plan(model, spec, (x, x), loss_fn=loss, microbatches=3)
+    assert gc.isenabled()
+    gc.disable()  # a caller's choice to keep it off stands
+    try:
+        autopar.plan(model, spec, (x, x), loss_fn=loss)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
