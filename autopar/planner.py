@@ -122,8 +122,8 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
                fold_layers: bool = True, recompute: str | None = None,
                reshard: bool = False, zero: dict[str, int] | None = None,
                accumulation: int = 1, unbounded: bool = False,
-               diagnose: bool = True, bounds: list[float] | None = None
-               ) -> tuple[Plan, StrategyGraph]:
+               diagnose: bool = True, bounds: list[float] | None = None,
+               fastest: list[dict[str, int]] | None = None) -> tuple[Plan, StrategyGraph]:
     """Build strategies, solve the ILP and describe the result.
 
     With `unbounded` only the plan the ILP chooses without the memory budget is tried
@@ -144,7 +144,8 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     running. `accumulation` is the number of microbatches a step accumulates over (ZeRO-2
     pays a reduce-scatter for each). The solver's lower bound on the step of any plan at
     this level (solver/ilp.py `Solution.bound`), where it has one, is appended to `bounds`,
-    whether or not a plan fits.
+    whether or not a plan fits; `fastest` carries the plans without the budget from level to
+    level of a search (solver/ilp.py `solve`).
     """
     options = options or PlanOptions()
     report = Progress(options.progress)
@@ -176,7 +177,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     try:
         sol = solve(graph, cost, memory_budget=budget, backend=options.solver,
                     time_limit=options.time_limit, forced=forced, discouraged=discouraged,
-                    clustering=clusters, unbounded_only=unbounded)
+                    clustering=clusters, unbounded_only=unbounded, fastest=fastest)
     except NoFeasiblePlan as e:
         if bounds is not None and e.bound is not None:
             bounds.append(e.bound)
@@ -289,6 +290,7 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
         # Each level only adds work to every plan (parameters gathered again, ops recomputed):
         # the first level's lower bound bounds them all at this count.
         bounds: list[float] = []
+        unbudgeted: list[dict[str, int]] = []  # each level's fastest plan (one graph per count)
         fastest = float("inf")  # of the plans found at this count, per microbatch
         for i, (level, reshard) in enumerate(levels):
             if i and bounds and bounds[0] * (1 + LEVEL_GAP) >= fastest:
@@ -305,7 +307,8 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
                                          recompute=level, reshard=reshard, accumulation=m,
                                          unbounded=not reshard and len(levels) > 1 and
                                          levels[1][1], diagnose=i == len(levels) - 1,
-                                         bounds=bounds if i == 0 else None)
+                                         bounds=bounds if i == 0 else None,
+                                         fastest=unbudgeted)
             except NoFeasiblePlan as e:
                 error = e
                 if e.activations_matter:

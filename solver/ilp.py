@@ -235,7 +235,8 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
           forced: dict[str, list[int]] | None = None,
           discouraged: dict[str, list[int]] | None = None,
           clustering: Clustering | None = None, minimize: str = "time",
-          unbounded_only: bool = False, exact_overlap: bool = False) -> Solution:
+          unbounded_only: bool = False, exact_overlap: bool = False,
+          fastest: list[dict[str, int]] | None = None) -> Solution:
     """Solve the intra-op ILP. `forced` restricts nodes to the listed strategy indices;
     `discouraged` strategies carry a penalty of PENALTY seconds each (reported objectives
     exclude it); `clustering` (passes.cluster) says which nodes share decisions.
@@ -250,7 +251,13 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
 
     On hardware whose collectives overlap compute (cost.overlap) the objective is the step of
     cost.step_seconds: relaxed first, exactly only when needed (see `refined` below);
-    `exact_overlap` solves with the exact rows from the start."""
+    `exact_overlap` solves with the exact rows from the start.
+
+    `fastest` carries the plans solved without the budget across the levels of a memory
+    search (the same graph, each level adding work or freeing memory): this solve appends
+    its own, and when the last one does not fit at this problem's prices either, the budget
+    is taken to bind and solved under at once (the same plan comes out; only the solve
+    without it, and the bound it gives, are skipped)."""
     if minimize not in ("time", "memory"):
         raise ValueError(f"minimize must be 'time' or 'memory', not {minimize!r}")
     backend = backend.upper()
@@ -258,8 +265,11 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
         raise ValueError(f"unknown solver backend {backend}; choose from {BACKENDS}")
     c = clustering or identity(graph)
     problem = _owner_problem(graph, cost, c, forced, discouraged)
+    binds = bool(fastest) and not unbounded_only and memory_budget is not None and \
+        minimize == "time" and plan_memory(graph, cost, fastest[-1]) > memory_budget
     return _solve(graph, cost, problem, c, memory_budget, backend, time_limit, gap, forced,
-                  discouraged, minimize, unbounded_only, exact_overlap)
+                  discouraged, minimize, unbounded_only, exact_overlap, binds=binds,
+                  fastest=fastest)
 
 
 def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clustering,
@@ -267,7 +277,8 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
            forced: dict[str, list[int]] | None, discouraged: dict[str, list[int]] | None,
            minimize: str, unbounded_only: bool, exact_overlap: bool,
            fallback: bool = True, side_share: float | None = None,
-           binds: bool = False) -> Solution | None:
+           binds: bool = False, fastest: list[dict[str, int]] | None = None
+           ) -> Solution | None:
     """`solve` on a built problem. Without `fallback` a solve that runs out of time before
     any plan returns None instead of the greedy plan (the re-solves of `refined`, whose
     caller keeps the plan it has then). `side_share`: the share of side seconds the
@@ -459,6 +470,8 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
         if sol is None:  # out of time without a plan, and no fallback asked for
             return None
         bound = lower_bound(sol)
+        if fastest is not None:
+            fastest.append(sol.choice)
         peak = plan_memory(graph, cost, sol.choice)
         if peak <= memory_budget:
             return bounded(refined(sol, False), bound)

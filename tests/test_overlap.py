@@ -253,3 +253,33 @@ def test_the_solvers_bound_is_below_every_plan_whatever_the_budget():
     with pytest.raises(NoFeasiblePlan) as e:
         solve(graph, cost, memory_budget=1.0)
     assert e.value.bound == pytest.approx(free.bound)
+
+
+def test_a_level_whose_last_fastest_plan_does_not_fit_goes_to_the_budget_at_once(
+        monkeypatch):
+    """`fastest` carries the plans solved without the budget from level to level: when the
+    last one is over this level's budget too, the solve goes to the budget at once (one HiGHS
+    solve fewer) and returns the plan it returned without the memo; when it fits, the solve
+    without the budget runs first, as without the memo."""
+    from ortools.linear_solver import pywraplp
+
+    from autopar.solver.memory import plan_memory
+
+    graph, cost, budget = _slow_overlapped_mlp()
+    calls = []
+    real = pywraplp.Solver.Solve
+    monkeypatch.setattr(pywraplp.Solver, "Solve",
+                        lambda self, *a: calls.append(self.NumConstraints()) or real(self, *a))
+    memo: list = []
+    plain = solve(graph, cost, memory_budget=budget, fastest=memo)
+    assert len(memo) == 1 and plan_memory(graph, cost, memo[0]) > budget
+    before, calls[:] = list(calls), []
+    again = solve(graph, cost, memory_budget=budget, fastest=memo)
+    assert calls == before[1:]  # all but the solve without the budget
+    assert again.choice == plain.choice and again.objective == pytest.approx(plain.objective)
+    assert len(memo) == 1 and again.bound is None  # nothing solved without the budget
+    calls.clear()
+    roomy = solve(graph, cost, memory_budget=plan_memory(graph, cost, memo[0]), fastest=memo)
+    # the memo's plan fits: solved without the budget first (then refined), as without memo
+    assert calls[0] == before[0] and len(memo) == 2 and memo[1] == memo[0]
+    assert roomy.bound == pytest.approx(plain.bound)
