@@ -511,7 +511,9 @@ class Parallelized(nn.Module):
         dims = [k for k in range(mesh.ndim) if k != pp]
         sub_coords = tuple(coords[k] for k in dims) or (0,)
         comm = SubmeshComm([mesh.get_group(k) for k in dims] or [None], sub.shape)
-        programs = rewrite(program, graph, choice, sub_coords, comm, prefetch=False)
+        programs = rewrite(program, graph, choice, sub_coords, comm,
+                           bucket_bytes=self._options.bucket_bytes,
+                           stage_of=stage_of)
         kinds = {name: v.kind for name, v in graph.nodes.items()}
         train = split_stages(programs.train, graph, stage_of, kinds, pipe.num_stages)
         infer = split_stages(programs.infer, graph, stage_of, kinds, pipe.num_stages)

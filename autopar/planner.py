@@ -592,7 +592,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
         raise ValueError("a pipelined plan trains through step(); pass loss_fn= (pipelined "
                          "inference alone is not supported)")
     graph = strat_pass.build(program, sub.shape)
-    cost = _stage_cost(sub, graph, optimizer, precision, profile)
+    cost = _stage_cost(sub, graph, optimizer, precision, profile, options.bucket_bytes)
     blocks = layer_blocks(program, graph)
     priced = pipe.price_blocks(graph, cost, blocks.of_node, blocks.names, link,
                                backend=backend, time_limit=time_limit)
@@ -602,7 +602,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
     if m != m0:
         program = trace_at(m)
         graph = strat_pass.build(program, sub.shape)
-        cost = _stage_cost(sub, graph, optimizer, precision, profile)
+        cost = _stage_cost(sub, graph, optimizer, precision, profile, options.bucket_bytes)
         again = layer_blocks(program, graph)
         if again.names != blocks.names:
             raise RuntimeError("the model traces into different layer blocks at the microbatch "
@@ -681,10 +681,11 @@ def _pipeline_cost(whole: PlanCost, step: float, compute: float, comm: dict, mem
                                hidden=dict(hidden), **extra)
 
 
-def _stage_cost(sub: MeshSpec, graph: StrategyGraph, optimizer, precision, profile) -> CostModel:
-    # a stage's program gathers each FSDP parameter where it is used (no prefetch buckets:
-    # they would cross the stage cuts), waiting for it
-    cost = CostModel(sub, optimizer, graph=graph, precision=precision, prefetch=False)
+def _stage_cost(sub: MeshSpec, graph: StrategyGraph, optimizer, precision, profile,
+                bucket_bytes: float) -> CostModel:
+    # a stage's program gathers its FSDP parameters in buckets of its own, prefetched within
+    # the stage (passes/rewrite.py `stage_of`): priced beside compute, as without stages
+    cost = CostModel(sub, optimizer, bucket_bytes, graph=graph, precision=precision)
     if profile is not None:
         cost = cost.copy(measured=profile.measure(graph, cost))
     return cost

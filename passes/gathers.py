@@ -27,20 +27,23 @@ Use = tuple[str, Placements, int]
 Edge = tuple[str, int]
 
 
-def use_groups(graph: StrategyGraph, limit: float = BUCKET_BYTES) -> dict[Edge, int]:
+def use_groups(graph: StrategyGraph, limit: float = BUCKET_BYTES,
+               stage_of: dict[str, int] | None = None) -> dict[Edge, int]:
     """Every use of a parameter (consumer, slot), in program order, numbered by its group: the
     uses grouped so that the whole parameters a group uses take at most `limit` bytes (in their
     traced dtype; a parameter used twice in a group counts once; one larger than `limit` is a
-    group of its own)."""
+    group of its own). With `stage_of` (every op's pipeline stage) a group never spans two
+    stages: each stage's program gathers its own buckets."""
     out: dict[Edge, int] = {}
-    group, size, members = -1, 0, set()
+    group, size, members, stage = -1, 0, set(), None
     for v in graph.nodes.values():
         for slot, (u, _) in enumerate(v.inputs):
             if graph.nodes[u].kind != PARAM:
                 continue
             b = 0 if u in members else _whole_bytes(graph, u)
-            if group < 0 or size + b > limit:
-                group, size, members = group + 1, 0, set()
+            here = stage_of.get(v.name, 0) if stage_of is not None else None
+            if group < 0 or size + b > limit or here != stage:
+                group, size, members, stage = group + 1, 0, set(), here
                 b = _whole_bytes(graph, u)
             members.add(u)
             size += b
@@ -54,15 +57,18 @@ def _whole_bytes(graph: StrategyGraph, param: str) -> int:
 
 
 def gathered_uses(graph: StrategyGraph, choice: dict[str, Strategy],
-                  groups: dict[Edge, int]) -> dict[int, list[tuple[int, Use]]]:
+                  groups: dict[Edge, int], stage_of: dict[str, int] | None = None
+                  ) -> dict[int, list[tuple[int, Use]]]:
     """Per mesh dimension, the (parameter, use placement, tensor dim) whose resharding from
     storage is a single all-gather there, in program order, each with the group (`groups`) of
-    its first use."""
+    its first use. With `stage_of` (pipeline stages) a parameter used in more than one stage
+    (tied weights) is left out: each stage gathers it alone where it uses it."""
     out: dict[int, list[tuple[int, Use]]] = {}
     seen = set()
+    shared = _shared_across_stages(graph, stage_of) if stage_of is not None else set()
     for v in graph.nodes.values():
         for slot, (u, idx) in enumerate(v.inputs):
-            if graph.nodes[u].kind != PARAM:
+            if graph.nodes[u].kind != PARAM or u in shared:
                 continue
             dst = choice[v.name].inputs[slot]
             if (u, dst) in seen:
@@ -75,6 +81,15 @@ def gathered_uses(graph: StrategyGraph, choice: dict[str, Strategy],
     return out
 
 
+def _shared_across_stages(graph: StrategyGraph, stage_of: dict[str, int]) -> set[str]:
+    stages: dict[str, set[int]] = {}
+    for v in graph.nodes.values():
+        for u, _ in v.inputs:
+            if graph.nodes[u].kind == PARAM:
+                stages.setdefault(u, set()).add(stage_of.get(v.name, 0))
+    return {u for u, ks in stages.items() if len(ks) > 1}
+
+
 def use_bytes(use: Use, graph: StrategyGraph) -> int:
     """Bytes of a parameter gathered to its use placement (in its traced dtype)."""
     v = graph.nodes[use[0]]
@@ -83,12 +98,15 @@ def use_bytes(use: Use, graph: StrategyGraph) -> int:
 
 
 def gather_buckets(graph: StrategyGraph, choice: dict[str, Strategy],
-                   limit: float = BUCKET_BYTES) -> dict[int, list[list[Use]]]:
+                   limit: float = BUCKET_BYTES, stage_of: dict[str, int] | None = None
+                   ) -> dict[int, list[list[Use]]]:
     """Per mesh dimension, the gathered uses in buckets, in order of first use: one all-gather
-    each, holding what one group of `use_groups(graph, limit)` gathers there."""
-    groups = use_groups(graph, limit)
+    each, holding what one group of `use_groups(graph, limit, stage_of)` gathers there (with
+    `stage_of`, every op's pipeline stage: buckets within one stage, parameters of several
+    stages in none)."""
+    groups = use_groups(graph, limit, stage_of)
     out: dict[int, list[list[Use]]] = {}
-    for k, uses in gathered_uses(graph, choice, groups).items():
+    for k, uses in gathered_uses(graph, choice, groups, stage_of).items():
         chain: dict[int, list[Use]] = {}
         for j, use in uses:
             chain.setdefault(j, []).append(use)

@@ -7,9 +7,10 @@ model's repeated layers, found from the module hierarchy torch.export records on
 (embeddings) and after the last (final norm, head, loss). A model without numbered children is
 cut between the root's own submodules.
 
-`split_stages` cuts the local program a rank runs (passes.rewrite's output, made without
-prefetching, so that each stage gathers its own parameters) into one FX program per pipeline
-stage, reading what each node is from the record the rewrite left on it (`passes.emitted`).
+`split_stages` cuts the local program a rank runs (passes.rewrite's output, its FSDP buckets
+within stages, so that each stage gathers and prefetches its own parameters) into one FX
+program per pipeline stage, reading what each node is from the record the rewrite left on
+it (`passes.emitted`).
 Every value a later stage needs is sent to the next stage and passed on from stage to stage
 until its last use (skip connections cross any number of cuts); values computed only from
 constants (positions, rotary tables, masks) are recomputed in each stage instead; user inputs
@@ -136,19 +137,20 @@ class SplitError(RuntimeError):
 
 def split_stages(gm: fx.GraphModule, graph: StrategyGraph, stage_of: dict[str, int],
                  kinds: dict[str, str], num_stages: int) -> list[StageProgram]:
-    """Cut `gm` (a local program from passes.rewrite for `graph`, made with prefetch=False)
-    into `num_stages` programs. `stage_of` gives the stage of every op node of `graph`;
-    `kinds` the kind of every placeholder (param | constant | input)."""
+    """Cut `gm` (a local program from passes.rewrite for `graph`, its FSDP buckets within
+    stages: rewrite's `stage_of`, or no prefetch) into `num_stages` programs. `stage_of` gives
+    the stage of every op node of `graph`; `kinds` the kind of every placeholder (param |
+    constant | input). A bucket's gathers run in the stage that uses it: its all-gather
+    starts at the top of the stage's program, or where the stage waits for the bucket before
+    it (prefetch within the stage, as in the whole program)."""
     nodes = list(gm.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
     record = {n: emitted(n) for n in nodes if n.op != "output"}
-    if any(r.role in ("gather_start", "gather_wait") for r in record.values()):
-        raise SplitError("the program gathers parameters in prefetched buckets for all stages; "
-                         "rewrite it with prefetch=False")
     origin = {n: r.origin if r.role == "op" else None for n, r in record.items()}
     # Values any stage can compute for itself: placeholders (every stage has the user inputs,
     # its own parameter shards and the constants), what is computed from constants alone, and
-    # the resharding of placeholders (a parameter's all-gather runs in each stage using it).
+    # the resharding of placeholders (a parameter's all-gather, or its bucket's start and
+    # wait, runs in each stage using it).
     const: set[fx.Node] = set()
     for n in nodes:
         if n.op == "placeholder":

@@ -74,7 +74,7 @@ from autopar.passes.cluster import cluster
 from autopar.passes.placement import local_shape
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, Strategy, StrategyGraph
 
-from .cost import CostModel
+from .cost import NO_TIME, CostModel, step_seconds
 from .flops import is_view
 from .ilp import loss_sink_time, solve
 
@@ -487,13 +487,18 @@ class Priced:
     grad_sync: float = 0.0
     memory: dict[str, float] = field(default_factory=lambda: {
         "parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0})
+    hidden: dict[str, float] = field(default_factory=dict)  # per microbatch, by kind
 
 
 def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> Priced:
     """Per-microbatch time (with its fixed part), gradient sync and memory of `sub`, priced as
-    the intra-op ILP prices them."""
+    the intra-op ILP prices them. Where collectives overlap compute (cost.overlap) the stage's
+    prefetched FSDP gathers hide under its forward and their gradients' reduce-scatters under
+    its backward, each microbatch, but for its first bucket's share (`stage_share`); `hidden`
+    says how many seconds of each kind, and `time` leaves them out."""
     out = Priced()
     launch = cost.hw.launch
+    total = NO_TIME  # the microbatch's prices by where they run (cost.Split)
     for v in sub.nodes.values():
         s = choice[v.name]
         if v.kind == PARAM:
@@ -505,6 +510,7 @@ def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> P
             continue
         ct = cost.compute_time(v, s)
         out.compute += ct
+        total = total.plus(cost.node_split(v, s))
         if not is_view(v):
             grad = v.requires_grad and v.kind != CONSTANT
             out.time_fixed += launch * (2 if grad else 1)
@@ -512,6 +518,7 @@ def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> P
         for slot, (u, idx) in enumerate(v.inputs):
             src, dst = choice[u].out(idx), s.inputs[slot]
             out.memory["activations"] += cost.edge_memory(sub, v, slot, src, dst)
+            total = total.plus(cost.edge_split(sub, v, slot, src, dst))
             # The intra-op ILP's price of the edge (forward and backward collectives), whose
             # latency part does not shrink with the microbatch.
             for kind, k, _, t, _ in cost.edge_collectives(sub, v, slot, src, dst):
@@ -521,8 +528,19 @@ def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> P
         name, idx = sub.loss
         t = loss_sink_time(cost, sub.nodes[name], choice[name].out(idx), idx)
         out.communication["all_gather"] = out.communication.get("all_gather", 0.0) + t
-    out.time = out.compute + sum(out.communication.values())
+    _, hid_f, hid_b = step_seconds(total, cost.overlap, stage_share(sub, cost))
+    out.hidden = {k: t for k, t in (("all_gather", hid_f), ("reduce_scatter", hid_b)) if t}
+    out.time = out.compute + sum(out.communication.values()) - hid_f - hid_b
     return out
+
+
+def stage_share(sub: StrategyGraph, cost: CostModel) -> float:
+    """The share of a stage's FSDP gathers that nothing hides, each microbatch: its first
+    bucket's (passes/gathers.py, buckets within the stage), before any of its compute; and
+    of their reduce-scatters, the last bucket's, after its backward compute."""
+    total = sum(cost.nbytes(v.out_shapes[0], v.out_dtypes[0])
+                for v in sub.nodes.values() if v.kind == PARAM and v.requires_grad)
+    return min(1.0, cost.bucket_bytes / total) if total else 1.0
 
 
 def solve_subgraph(sub: StrategyGraph, cost: CostModel, cache: dict, *,
@@ -691,6 +709,9 @@ def price_pipeline(graph: StrategyGraph, cost: CostModel, stages: list, stage_of
     comm["gradient_sync"] = sum(grad_sync[s] for s in mine)
     compute = m * sum(priced[s].compute for s in mine)
     hidden = {}
+    for s in mine:  # each stage's prefetched FSDP gathers, every microbatch
+        for key, val in priced[s].hidden.items():
+            hidden[key] = hidden.get(key, 0.0) + m * val
     if hide and _weights(p, m, v)[1]:  # the steady state's sends beside the rank's work
         hidden["p2p"] = m * (sum(stage_time[s] for s in mine) - ranks[busy])
     comm["pipeline_bubble"] = max(0.0, total - compute - sum(comm.values())

@@ -269,6 +269,48 @@ def test_pipelined_plan_describes_stages():
     assert loaded.hash() == plan.hash() and loaded.to_dict() == plan.to_dict()
 
 
+def test_a_stages_fsdp_gathers_hide_under_its_compute_on_gpus():
+    """On H100s each stage's prefetched FSDP gathers hide under its forward, and their
+    gradients' reduce-scatters under its backward, each microbatch, but for one bucket's
+    share: priced so per stage (`stages.price` against the same stage with gathers on the
+    critical path) and in the plan's step. On gloo (no overlap) nothing hides."""
+    from autopar.planner import choice_from_plan
+    from autopar.solver.cost import CostModel
+
+    with torch.device("meta"):
+        model = hf_llama(num_hidden_layers=4, vocab_size=8192, hidden_size=1024,
+                         num_attention_heads=8, num_key_value_heads=4, intermediate_size=2816,
+                         max_position_embeddings=2048)
+    ids = torch.randint(0, 8192, (16, 2048), device="meta")
+    spec = autopar.MeshSpec((2, 4), names=("pp", "dp"), hardware="h100")
+    plan = autopar.plan(model, spec, (ids, ids), loss_fn=lm_loss, microbatches=4,
+                        schedule="1f1b", force={"dp": "fsdp"}, bucket_bytes=2**20,
+                        precision="bf16-mixed")
+    hidden = plan.cost.hidden
+    assert hidden["all_gather"] > 0 and hidden["reduce_scatter"] > 0
+    assert hidden["all_gather"] < plan.cost.communication["all_gather"]  # one bucket's share
+    assert plan.cost.step_time == pytest.approx(plan.cost.compute +
+                                                plan.cost.exposed_communication)
+    program = trace(model, (ids[:4],), lm_loss, ids[:4],
+                    compute_dtype=torch.bfloat16)
+    graph = strategies.build(program, (4,))
+    choice = choice_from_plan(plan, graph)
+    stage_of = layer_blocks(program, graph).stage_of(plan.pipeline.cuts, 2)
+    sub = st.subgraph(graph, [n for n in graph.nodes if stage_of.get(n) == 1], choice)
+    picked = {n: choice.get(n, v.strategies[0]) for n, v in sub.nodes.items()}
+    cost = CostModel(spec.without(0), graph=graph, precision="bf16-mixed", bucket_bytes=2**20)
+    bucketed, alone = st.price(sub, cost, picked), st.price(sub, cost.copy(prefetch=False),
+                                                              picked)
+    assert bucketed.hidden and not alone.hidden
+    assert bucketed.time == pytest.approx(bucketed.compute + sum(
+        bucketed.communication.values()) - sum(bucketed.hidden.values()))
+    # gathered alone, each pays its whole latency besides (not a share of a bucket's)
+    assert alone.time - bucketed.time >= sum(bucketed.hidden.values()) > 0
+    assert bucketed.compute == pytest.approx(alone.compute)
+    gloo = gpt_pp_plan((2, 2), ("pp", "dp"), microbatches=2, force={"dp": "fsdp"})
+    assert set(gloo.cost.hidden) <= {"p2p"}
+
+
 def test_plan_hash_covers_the_pipeline():
     assert gpt_pp_plan(microbatches=2, schedule="gpipe").hash() != \
         gpt_pp_plan(microbatches=2, schedule="1f1b").hash()
@@ -405,13 +447,57 @@ def test_stage_programs_are_the_same_across_a_stage_group(seed):
     per_rank = []
     for coord in range(2):
         comm = _Comm()
-        local = rewrite(program, graph, choice, (coord,), comm, prefetch=False)
+        local = rewrite(program, graph, choice, (coord,), comm, stage_of=stage_of)
         per_rank.append(split_stages(local.train, graph, stage_of, kinds, 2))
     for s in range(2):
         assert _signature(per_rank[0][s].module) == _signature(per_rank[1][s].module)
     a, b = per_rank[0]
     assert [m.shape for m in a.sent] == [m.shape for m in b.received]
     assert any(m.requires_grad for m in b.received)
+
+
+def test_fsdp_stages_gather_and_prefetch_their_own_buckets():
+    """Under FSDP each stage's program gathers its own parameters in buckets (never one of
+    another stage's), the first starting at the top of the stage, each next one as the stage
+    waits for the one before; a parameter two stages use (the GPT's tied embedding and head)
+    is gathered alone in each."""
+    from autopar.passes.emitted import emitted
+
+    plan = gpt_pp_plan((2, 2), ("pp", "dp"), microbatches=2, force={"dp": "fsdp"})
+    model, loss_fn, (x, y) = rank_tasks.build("gpt")
+    program = trace(model, (x[:2],), loss_fn, y[:2])
+    graph = strategies.build(program, (2,))
+    choice = choice_from_plan(plan, graph)
+    blocks = layer_blocks(program, graph)
+    stage_of = blocks.stage_of(plan.pipeline.cuts, 2)
+    kinds = {n: v.kind for n, v in graph.nodes.items()}
+    local = rewrite(program, graph, choice, (0,), _Comm(), bucket_bytes=8 * 1024,
+                    stage_of=stage_of)
+    stages = split_stages(local.train, graph, stage_of, kinds, 2)
+    used_in = {}  # parameter -> stages whose ops use it
+    for v in graph.nodes.values():
+        for u, _ in v.inputs:
+            if graph.nodes[u].kind == "param" and v.name in stage_of:
+                used_in.setdefault(u, set()).add(stage_of[v.name])
+    tied = {u for u, ks in used_in.items() if len(ks) > 1}
+    assert tied  # the GPT's embedding is its head
+    for s, stage in enumerate(stages):
+        nodes = list(stage.module.graph.nodes)
+        role = {n: emitted(n).role for n in nodes if n.op not in ("output", "placeholder")}
+        starts = [n for n in nodes if role.get(n) == "gather_start"]
+        waits = [n for n in nodes if role.get(n) == "gather_wait"]
+        assert len(starts) == len(waits) > 1, f"stage {s}"
+        first_op = min(i for i, n in enumerate(nodes) if role.get(n) == "op")
+        assert nodes.index(starts[0]) < first_op
+        for j, w in enumerate(waits[:-1]):  # the next bucket starts as this one is waited for
+            assert nodes.index(starts[j + 1]) < nodes.index(w)
+        for w in waits:
+            names = {p.name for p in w.args[0]}
+            assert names and all(used_in[p] == {s} for p in names)
+        assert set(stage.params) == {u for u, ks in used_in.items() if s in ks}
+        alone = [n for n in nodes if role.get(n) == "collective" and n.args[0].op ==
+                 "placeholder" and n.args[0].name in tied]
+        assert alone, f"stage {s} gathers the tied parameter alone"
 
 
 # -- equivalence on gloo -----------------------------------------------------------------------
