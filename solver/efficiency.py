@@ -59,7 +59,18 @@ def matmul_efficiency(hw, m: int, n: int, k: int) -> float:
 
 
 def _quantized(hw, m: int, n: int, k: int) -> float:
-    """Useful share of a GEMM's work after tile, wave and K-pipeline quantization."""
+    """Useful share of a GEMM's work after tile, wave and K-pipeline quantization (memoized:
+    a plan prices the same few shapes under every strategy and level)."""
+    key = (hw.sm_count, tuple(map(tuple, hw.gemm_tiles)), hw.gemm_k_overhead, m, n, k)
+    if key not in _QUANTIZED:
+        _QUANTIZED[key] = _quantize(hw, m, n, k)
+    return _QUANTIZED[key]
+
+
+_QUANTIZED: dict[tuple, float] = {}
+
+
+def _quantize(hw, m: int, n: int, k: int) -> float:
     best = 0.0
     split = 1
     while split == 1 or k / split >= 2 * hw.gemm_k_overhead:
