@@ -248,7 +248,7 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
         else:
             model.Add(busiest >= sum(stage_t[s] for s in mine))
         model.Add(sync >= sum(gi[b] * x[b, s] for s in mine for b in range(n) if (b, s) in x))
-        if memory_budget is not None:
+        if memory_budget is not None and memory_budget != float("inf"):
             model.Add(sum(round(blocks[b].param_bytes + k[r] * a[b]) * x[b, s] for s in mine
                           for b in range(n) if (b, s) in x) <= int(memory_budget))
     ws, wt, wc = _weights(p, m, v)

@@ -311,6 +311,15 @@ def test_a_stages_fsdp_gathers_hide_under_its_compute_on_gpus():
     assert set(gloo.cost.hidden) <= {"p2p"}
 
 
+def test_a_pipelined_plan_without_a_budget():
+    """memory_budget=float("inf") plans for time alone on a pp mesh too (the stage solver's
+    memory rows are integers: it once raised OverflowError), as a budget nothing reaches."""
+    free = gpt_pp_plan(microbatches=2, schedule="1f1b", memory_budget=float("inf"))
+    roomy = gpt_pp_plan(microbatches=2, schedule="1f1b", memory_budget=2.0**60)
+    assert free.pipeline.cuts == roomy.pipeline.cuts
+    assert free.cost.step_time == pytest.approx(roomy.cost.step_time)
+
+
 def test_plan_hash_covers_the_pipeline():
     assert gpt_pp_plan(microbatches=2, schedule="gpipe").hash() != \
         gpt_pp_plan(microbatches=2, schedule="1f1b").hash()
