@@ -5,8 +5,9 @@ FX nodes, strategies, solver rows), and each automatic collection walks all of t
 2-core machine, 2 of the 12 seconds of planning Llama-3 70B on an (8, 8) mesh. Paused, what
 planning drops is freed by reference counting as before, and the few reference cycles it
 leaves are collected when the collector runs next (the planner's peak memory grows by about
-a tenth: 314 -> 343 MiB for that 70B plan). In the forked workers of a mesh search the paused collector also leaves the pages
-they share with the parent unwritten (no copy-on-write of every object it would visit).
+a tenth: 314 -> 343 MiB for that 70B plan). In the forked workers of a mesh search the
+paused collector also leaves the pages they share with the parent unwritten (no
+copy-on-write of every object it would visit).
 """
 
 from __future__ import annotations

@@ -520,6 +520,9 @@ EQUIVALENCE = [
     ("gpt", (2, 2), ("pp", "dp"), {"microbatches": 2, "force": {"dp": "data"}}),
     ("gpt", (2, 2), ("pp", "dp"), {"microbatches": 2, "force": {"dp": "fsdp"}}),
     ("hf_llama", (2, 2), ("pp", "dp"), {"microbatches": 2}),
+    # FSDP in buckets of a few parameters, prefetched inside each of a rank's two stages
+    ("hf_llama", (2, 2), ("pp", "dp"), {"microbatches": 2, "schedule": "interleaved",
+                                        "force": {"dp": "fsdp"}, "bucket_bytes": 4096}),
     # 3-D: pp x dp x tp (dp of size 1 on 4 ranks), tensor parallel inside each stage
     ("gpt", (2, 1, 2), ("pp", "dp", "tp"), {"microbatches": 2, "force": {"tp": "tensor"}}),
     # a plan made by autopar.plan, saved and loaded, then run
