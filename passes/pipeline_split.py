@@ -138,7 +138,7 @@ class SplitError(RuntimeError):
 def split_stages(gm: fx.GraphModule, graph: StrategyGraph, stage_of: dict[str, int],
                  kinds: dict[str, str], num_stages: int) -> list[StageProgram]:
     """Cut `gm` (a local program from passes.rewrite for `graph`, its FSDP buckets within
-    stages: rewrite's `stage_of`, or no prefetch) into `num_stages` programs. `stage_of` gives
+    stages: rewrite's `stage_of`) into `num_stages` programs. `stage_of` gives
     the stage of every op node of `graph`; `kinds` the kind of every placeholder (param |
     constant | input). A bucket's gathers run in the stage that uses it: its all-gather
     starts at the top of the stage's program, or where the stage waits for the bucket before

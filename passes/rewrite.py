@@ -66,22 +66,21 @@ def _slice(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
 def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Strategy],
             coords: tuple[int, ...], comm: CommOps,
             per_rank: tuple[Placements, int] | None = None,
-            prefetch: bool = True, free_after_forward: frozenset[str] = frozenset(),
+            free_after_forward: frozenset[str] = frozenset(),
             bucket_bytes: float | None = None,
             stage_of: dict[str, int] | None = None) -> LocalPrograms:
     """Build the local programs for the rank at mesh `coords`. Outputs come back whole; with
     `per_rank` (the placement per-rank inputs arrive in, and the global batch), an output
-    whose dimension 0 is the batch comes back as this rank's rows, as its inputs were. With
-    `prefetch` (the default), parameters gathered whole for their use (FSDP) are gathered in
-    buckets, each bucket's gather started when the previous bucket's is first waited for
-    (one bucket in flight ahead of the one in use, as FSDP2 prefetches); without it each is
-    gathered just before its first use. With `stage_of` (every op's pipeline stage, for a
-    program passes.pipeline_split cuts into stages) buckets stay within a stage, so that each
-    stage's program gathers and prefetches its own parameters; a parameter used in several
-    stages is gathered alone in each. The gathered copies of the parameters in
-    `free_after_forward` (graph node names) are marked to be freed after forward and
-    gathered again for backward (the runtime's regathering, runtime/regather.py). Buckets
-    hold about `bucket_bytes` (default BUCKET_BYTES)."""
+    whose dimension 0 is the batch comes back as this rank's rows, as its inputs were.
+    Parameters gathered whole for their use (FSDP) are gathered in buckets, each bucket's
+    gather started when the previous bucket's is first waited for (one bucket in flight
+    ahead of the one in use, as FSDP2 prefetches). With `stage_of` (every op's pipeline
+    stage, for a program passes.pipeline_split cuts into stages) buckets stay within a
+    stage, so that each stage's program gathers and prefetches its own parameters; a
+    parameter used in several stages is gathered alone in each. The gathered copies of the
+    parameters in `free_after_forward` (graph node names) are marked to be freed after
+    forward and gathered again for backward (the runtime's regathering,
+    runtime/regather.py). Buckets hold about `bucket_bytes` (default BUCKET_BYTES)."""
     mesh_shape = graph.mesh_shape
     g = fx.Graph()
     local: dict[tuple[str, Any], fx.Node] = {}  # (node, out index) -> local value node
@@ -152,7 +151,7 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
     # first use: the first bucket's gather starts before the first op, asynchronously, and
     # each next one when the program first waits for the one before (prefetching).
     limit = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-    chains = gather_buckets(graph, choice, limit, stage_of) if prefetch else {}
+    chains = gather_buckets(graph, choice, limit, stage_of)
     prefetched: dict[tuple[str, Any, Placements], tuple[int, int]] = {
         (p, None, dst): (k, j) for k, chain in chains.items()
         for j, bucket in enumerate(chain) for p, dst, _ in bucket}

@@ -110,9 +110,6 @@ class CostModel:
     and which tensors several ops keep; without it every floating-point input of a node that
     needs a gradient is assumed to need one and every kept tensor is counted per op.
     `measured` maps `op_key`s to measured (forward, backward) seconds (autopar.profile).
-    Without `prefetch` the runtime gathers each FSDP parameter where it is used, alone and
-    waiting for it (pipeline stages: autopar/parallelized.py rewrites them so), so such a
-    gather pays its whole latency on the critical path.
     """
 
     def __init__(self, mesh, optimizer: str | OptimizerSpec | None = None,
@@ -120,8 +117,7 @@ class CostModel:
                  precision: str | Precision | None = None,
                  measured: Mapping[str, tuple[float, float]] | None = None,
                  activation_factor: float = 1.0, recompute: Recompute | None = None,
-                 reshard: frozenset[str] = frozenset(), accumulation: int = 1,
-                 prefetch: bool = True):
+                 reshard: frozenset[str] = frozenset(), accumulation: int = 1):
         self.mesh = mesh
         self.bucket_bytes = bucket_bytes
         self.hw = mesh.profile
@@ -139,19 +135,16 @@ class CostModel:
         self.reshard = frozenset(reshard)
         # microbatches a step accumulates gradients over (ZeRO-2 reduce-scatters each one's)
         self.accumulation = accumulation
-        self.prefetch = prefetch  # FSDP gathers issued ahead of need, in buckets
         self._reshard = lru_cache(maxsize=None)(self._reshard_uncached)
         self._edge_share: float | None = None
 
     def copy(self, **changes) -> CostModel:
         """The same model with some settings changed (mesh, optimizer, bucket_bytes, graph,
-        precision, measured, activation_factor, recompute, reshard, accumulation,
-        prefetch)."""
+        precision, measured, activation_factor, recompute, reshard, accumulation)."""
         kw = dict(mesh=self.mesh, optimizer=self.optimizer, bucket_bytes=self.bucket_bytes,
                   graph=self.graph, precision=self.precision, measured=self.measured,
                   activation_factor=self.activation_factor, recompute=self.recompute,
-                  reshard=self.reshard, accumulation=self.accumulation,
-                  prefetch=self.prefetch)
+                  reshard=self.reshard, accumulation=self.accumulation)
         kw.update(changes)
         out = copy.copy(self)  # keeps a subclass's own state
         CostModel.__init__(out, **kw)
@@ -239,7 +232,7 @@ class CostModel:
         facts = _graph_facts(graph)
         grouped = producer.kind == PARAM and len(steps) == 1 and steps[0].kind == "all_gather"
         latency = self._bucket_share(graph, producer, self.step_bytes(steps[0], dtype)) \
-            if grouped and self.prefetch else 1.0
+            if grouped else 1.0
         share = 1.0 / max(1, facts.consumers[consumer.inputs[slot]]) if grouped else 1.0
         priced = [(kind, k, nbytes, t * share, phase)
                   for kind, k, nbytes, t, phase in self._priced_steps(steps, dtype, grad, latency)]
@@ -533,10 +526,10 @@ class CostModel:
                    src: Placements, dst: Placements) -> Split:
         """`edge_time` by where it runs (see Split): a parameter's gathers from its storage
         (FSDP; the runtime gathers the next bucket while the current one computes,
-        runtime/params.py) and their gradients' reduce-scatters beside compute (on the
-        critical path without `prefetch`); an activation's resharding (tensor and sequence
-        parallel) on the critical path, issued once more in backward when its consumer is
-        recomputed in full (`recollected`)."""
+        runtime/params.py, pipeline stages included) and their gradients' reduce-scatters
+        beside compute; an activation's resharding (tensor and sequence parallel) on the
+        critical path, issued once more in backward when its consumer is recomputed in full
+        (`recollected`)."""
         producer = graph.nodes[consumer.inputs[slot][0]]
         if producer.kind != PARAM:
             index = consumer.inputs[slot][1]
@@ -553,9 +546,8 @@ class CostModel:
             steps = self.edge_collectives(graph, consumer, slot, src, dst)
         except ReshardError:
             return Split(INFEASIBLE, 0.0, 0.0, 0.0)
-        fwd = sum(t for *_, t, phase in steps if phase == "forward")
-        bwd = sum(t for *_, t, phase in steps if phase != "forward")
-        return Split(0.0, 0.0, fwd, bwd) if self.prefetch else Split(fwd, bwd, 0.0, 0.0)
+        return Split(0.0, 0.0, sum(t for *_, t, phase in steps if phase == "forward"),
+                     sum(t for *_, t, phase in steps if phase != "forward"))
 
     def edge_time(self, graph: StrategyGraph, consumer: SNode, slot: int,
                   src: Placements, dst: Placements) -> float:

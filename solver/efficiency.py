@@ -32,6 +32,7 @@ prices every op on the plain roofline.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -59,24 +60,18 @@ def matmul_efficiency(hw, m: int, n: int, k: int) -> float:
 
 
 def _quantized(hw, m: int, n: int, k: int) -> float:
-    """Useful share of a GEMM's work after tile, wave and K-pipeline quantization (memoized:
-    a plan prices the same few shapes under every strategy and level)."""
-    key = (hw.sm_count, tuple(map(tuple, hw.gemm_tiles)), hw.gemm_k_overhead, m, n, k)
-    if key not in _QUANTIZED:
-        _QUANTIZED[key] = _quantize(hw, m, n, k)
-    return _QUANTIZED[key]
+    """Useful share of a GEMM's work after tile, wave and K-pipeline quantization."""
+    return _quantize(hw.sm_count, tuple(map(tuple, hw.gemm_tiles)), hw.gemm_k_overhead, m, n, k)
 
 
-_QUANTIZED: dict[tuple, float] = {}
-
-
-def _quantize(hw, m: int, n: int, k: int) -> float:
+@functools.lru_cache(maxsize=None)  # a plan prices the same few shapes at every level
+def _quantize(sms: int, tiles: tuple, k_overhead: float, m: int, n: int, k: int) -> float:
     best = 0.0
     split = 1
-    while split == 1 or k / split >= 2 * hw.gemm_k_overhead:
+    while split == 1 or k / split >= 2 * k_overhead:
         kk = k / split
-        fill = max(_tiling(m, n, tm, tn, hw.sm_count, split) for tm, tn in hw.gemm_tiles)
-        best = max(best, fill * kk / (kk + hw.gemm_k_overhead))
+        fill = max(_tiling(m, n, tm, tn, sms, split) for tm, tn in tiles)
+        best = max(best, fill * kk / (kk + k_overhead))
         split *= 2
     return best
 

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.passes import strategies
-from autopar.passes.placement import R
 from autopar.passes.trace import trace, trace_example
 from autopar.solver.cost import CostModel, Split, step_seconds
 from autopar.solver.ilp import plan_split, plan_time, solve
@@ -134,35 +133,6 @@ def test_the_ilp_prices_a_pass_whose_collectives_outlast_its_compute_exactly():
     assert sol.num_constraints > solve(graph, plain).num_constraints
     assert sol.objective == pytest.approx(brute_force(graph, cost), rel=1e-6)
     assert plan_time(graph, cost, sol.choice) == pytest.approx(sol.objective, rel=1e-6)
-
-
-def test_gathers_without_prefetch_wait_on_the_critical_path_at_their_whole_latency():
-    """Pipeline stages gather each FSDP parameter where it is used, alone, and wait for it
-    (the rewrite runs without prefetch buckets there): their cost model puts every such
-    gather and its gradient's reduce-scatter on the critical path, paying the link's whole
-    latency, where a plan without stages buckets them beside compute."""
-    model, example = _llama()
-    spec = autopar.MeshSpec((8,), hardware="h100")
-    graph = strategies.build(trace_example(model, example, lm_loss), spec.shape)
-    bucketed = CostModel(spec, graph=graph)
-    alone = bucketed.copy(prefetch=False)
-    checked = smaller = 0
-    for v in graph.nodes.values():
-        for slot, (u, _) in enumerate(v.inputs):
-            if graph.nodes[u].kind != "param" or len(graph.nodes[u].out_shapes[0]) != 2:
-                continue
-            shard = next(s.output for s in graph.nodes[u].strategies if s.output[0] != R)
-            src, dst = shard, (R,)
-            side, crit = bucketed.edge_split(graph, v, slot, src, dst), \
-                alone.edge_split(graph, v, slot, src, dst)
-            assert side.forward == side.backward == 0 < side.side_forward
-            assert crit.side_forward == crit.side_backward == 0 < crit.forward
-            assert sum(crit) >= sum(side)
-            # the whole latency: one collective of its own, not a share of a bucket's
-            smaller += sum(crit) > sum(side)
-            assert alone.edge_time(graph, v, slot, src, dst) == pytest.approx(sum(crit))
-            checked += 1
-    assert checked >= 4 and smaller >= 2
 
 
 def _slow_overlapped_mlp():

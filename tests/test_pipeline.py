@@ -2,6 +2,7 @@
 bad input, and equivalence with single-device training on gloo ranks (2 and 4 stages on (2,)
 and (4,) meshes, pp x dp on (2, 2), the test GPT and a Hugging Face Llama)."""
 
+import dataclasses
 import itertools
 import random
 
@@ -299,14 +300,16 @@ def test_a_stages_fsdp_gathers_hide_under_its_compute_on_gpus():
     sub = st.subgraph(graph, [n for n in graph.nodes if stage_of.get(n) == 1], choice)
     picked = {n: choice.get(n, v.strategies[0]) for n, v in sub.nodes.items()}
     cost = CostModel(spec.without(0), graph=graph, precision="bf16-mixed", bucket_bytes=2**20)
-    bucketed, alone = st.price(sub, cost, picked), st.price(sub, cost.copy(prefetch=False),
-                                                              picked)
+    serial = dataclasses.replace(spec.profile, overlap=False)  # the same H100, nothing hides
+    alone = st.price(sub, cost.copy(mesh=autopar.MeshSpec((4,), hardware=serial)), picked)
+    bucketed = st.price(sub, cost, picked)
     assert bucketed.hidden and not alone.hidden
     assert bucketed.time == pytest.approx(bucketed.compute + sum(
         bucketed.communication.values()) - sum(bucketed.hidden.values()))
-    # gathered alone, each pays its whole latency besides (not a share of a bucket's)
-    assert alone.time - bucketed.time >= sum(bucketed.hidden.values()) > 0
+    assert alone.time - bucketed.time == pytest.approx(sum(bucketed.hidden.values()))
+    assert sum(bucketed.hidden.values()) > 0
     assert bucketed.compute == pytest.approx(alone.compute)
+    assert bucketed.communication == pytest.approx(alone.communication)
     gloo = gpt_pp_plan((2, 2), ("pp", "dp"), microbatches=2, force={"dp": "fsdp"})
     assert set(gloo.cost.hidden) <= {"p2p"}
 
