@@ -25,8 +25,8 @@ class PlanOptions:
       memory_budget   bytes per device (None: the hardware's memory less its reserve)
       force           pin mesh dimensions to a standard style ("data", "fsdp", "tensor"), by
                       dimension name or index, or one style for every dimension
-      solver          OR-Tools backend ("HIGHS", "SCIP", "CBC", "CP_SAT"), or "random" for a
-                      valid plan drawn with `seed`
+      solver          MIP solver: "HIGHS" (HiGHS through highspy), or an OR-Tools backend
+                      ("SCIP", "CBC", "CP_SAT"), or "random" for a valid plan drawn with `seed`
       time_limit      seconds the solver may take
       optimizer       what the cost model prices: "adamw", "adam", "sgd-momentum", "sgd"
       precision       "fp32", or "bf16-mixed": float32 master weights (what the optimizer

@@ -29,8 +29,8 @@ backward sb); with q the share of side seconds nothing hides (CostModel.edge_sha
 for each pass p: each pass takes the longer of its critical path and its side collectives.
 It is solved relaxed first (E_p = q * sum s_p folded into the prices, no rows: a lower
 bound, exact when the plan's side seconds fit under its critical ones). When they do not, it
-is solved again with the rows (`refined`; when that runs out of time, with every side second
-priced, E_p = sum s_p, instead).
+is solved again (`refined`): with the rows, on small problems; then with E_p = w * sum s_p for
+a weight w between q and 1 (SCALARIZED), each plan priced exactly and the fastest kept.
 With x integral the transport constraints force y[e,a,b] = [out_e = a][in_e = b], so y may be
 continuous. An edge whose producer (or consumer) has one placement class costs a constant per
 consumer (producer) strategy and is folded into t. The loss must reach every rank: its node pays
@@ -53,6 +53,7 @@ from autopar.passes.gathers import use_groups
 from autopar.passes.placement import Partial, R
 from autopar.passes.strategies import CONSTANT, OP, PARAM, SNode, StrategyGraph
 
+from . import mip
 from .cost import INFEASIBLE, NO_TIME, CostModel, Split, step_seconds
 from .memory import plan_memory
 
@@ -94,6 +95,8 @@ class Solution:
     # the unhidden share; within the tie-break's 0.1% of side seconds). None where unknown
     # (penalized strategies, a solve stopped by its time limit).
     bound: float | None = None
+    # With overlap: the plan's prices summed by where they run (cost.Split), as solved.
+    split: Split | None = None
 
 
 @dataclass
@@ -285,63 +288,45 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
     objective prices without the exact rows (default: the unhidden share, the relaxation;
     1: every side second, as if nothing overlapped). With `binds` the budget is known to
     bind (a re-solve after the fastest plan did not fit): solved under it at once."""
-    from ortools.linear_solver import pywraplp  # imported when first solving: import is slow
-
     by_memory = minimize == "memory"
     scale = GIB if by_memory else SCALE  # GiB or microseconds inside the solver
     start = time.perf_counter()
-    solver = pywraplp.Solver.CreateSolver(backend)
-    if solver is None:
-        raise RuntimeError(f"OR-Tools was built without the {backend} backend")
-    solver.SuppressOutput()  # no solver log or banner on the user's terminal
-    if backend == "HIGHS":
-        # HiGHS's presolve doubles the root's work on these problems and never shrinks them
-        # (Llama-3 70B on (8, 8) under a binding budget: 8.7 s with it, 4.7 s without, same
-        # optimum). OR-Tools applies the option but reports False whatever the string.
-        # (With the exact overlap rows it is a draw: for Llama-3 70B over 512 x 2 H100s
-        # under the budget it found the optimum in 31 s where without it no plan came in
-        # 60 s; over 256 x 4, within EXACT_SECONDS, a plan 7% slower than without it.)
-        solver.SetSolverSpecificParametersAsString("presolve = off")
-    solver.SetTimeLimit(int(time_limit * 1000))
-    x: dict[str, list] = {}
-    objective = solver.Objective()
+    prog = mip.Program()
+    x: dict[str, list[int]] = {}
     split = problem.node_split is not None and not by_memory
-    side: list[tuple[object, Split]] = []  # (variable, its price by where it runs)
+    side: list[tuple[int, Split]] = []  # (column, its price by where it runs)
     edge = cost.edge_share() if split else 0.0
     # relaxed (the first solve): side seconds priced at their unhidden share only
     relaxed = 0.0 if not split or exact_overlap else edge if side_share is None else side_share
     for o, costs in problem.node_cost.items():
         row = []
         for k, (t, m) in enumerate(zip(costs, problem.memory[o])):
-            var = solver.BoolVar("")
             price = m if by_memory else t
             if split and t != INFEASIBLE:  # side seconds: only their unhidden share
                 sp = problem.node_split[o][k]
                 price -= (1 - SIDE_TIEBREAK - relaxed) * (sp.side_forward + sp.side_backward)
-                side.append((var, sp))
-            if t == INFEASIBLE:
-                var.SetUb(0)
-            elif price:
-                objective.SetCoefficient(var, price * scale)
+            var = prog.var(0.0, 0.0 if t == INFEASIBLE else 1.0, True,
+                           0.0 if t == INFEASIBLE else price * scale)
+            if split and t != INFEASIBLE:
+                side.append((var, problem.node_split[o][k]))
             row.append(var)
-        solver.Add(sum(row) == 1)
+        prog.row(((var, 1.0) for var in row), 1.0, 1.0)
         x[o] = row
-    y_terms = []  # (block, (a, b), variable): the memory constraint's edge terms
-    y_of: dict[tuple[int, tuple], object] = {}
+    y_terms = []  # (block, (a, b), column): the memory constraint's edge terms
+    y_of: dict[tuple[int, tuple], int] = {}
     for i, (ou, ov, a_of, b_of, price) in enumerate(problem.edges):
         y = {}
         for (a, b), cst in price.items():
             if cst == INFEASIBLE:
                 continue
-            var = solver.NumVar(0, 1, "")
             coefficient = problem.edge_memory[i].get((a, b), 0.0) if by_memory else cst
             if split:
                 sp = problem.edge_split[i][(a, b)]
                 coefficient -= (1 - SIDE_TIEBREAK - relaxed) * (
                     sp.side_forward + sp.side_backward)
+            var = prog.var(0.0, 1.0, False, coefficient * scale)
+            if split:
                 side.append((var, sp))
-            if coefficient:
-                objective.SetCoefficient(var, coefficient * scale)
             y[(a, b)] = var
             y_terms.append((i, (a, b), var))
             y_of[(i, (a, b))] = var
@@ -351,58 +336,60 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
             rows[a].append(var)
             cols[b].append(var)
         for a, ks in _classes(a_of).items():
-            solver.Add(sum(rows[a]) == sum(x[ou][k] for k in ks))
+            prog.row([(v, 1.0) for v in rows[a]] + [(x[ou][k], -1.0) for k in ks], 0.0, 0.0)
         for b, js in _classes(b_of).items():
-            solver.Add(sum(cols[b]) == sum(x[ov][j] for j in js))
+            prog.row([(v, 1.0) for v in cols[b]] + [(x[ov][j], -1.0) for j in js], 0.0, 0.0)
     if split and exact_overlap:
-        _overlapped_passes(solver, objective, side, scale, edge)
-    gathered = _largest_bucket(solver, problem.buckets, x, y_of)  # in GiB
+        _overlapped_passes(prog, side, scale, edge, 1e-3 if backend == "CP_SAT" else 1.0)
+    gathered = _largest_bucket(prog, problem.buckets, x, y_of)  # in GiB
     if by_memory and gathered is not None:
-        objective.SetCoefficient(gathered, 1.0)
-    objective.SetMinimization()
-    if backend != "HIGHS":  # a feasible start (HiGHS ignores hints through this wrapper)
-        hint = greedy(graph, cost)
-        solver.SetHint([var for row in x.values() for var in row],
-                       [float(k == hint[o]) for o, row in x.items() for k in range(len(row))])
-    params = pywraplp.MPSolverParameters()
-    params.SetDoubleParam(pywraplp.MPSolverParameters.RELATIVE_MIP_GAP, gap)
+        prog.cost[gathered] = 1.0
+    hint = None
+    if backend != "HIGHS":  # a feasible start (HiGHS is given none: see solver/mip.py)
+        choice = greedy(graph, cost)
+        hint = {var: float(k == choice[o]) for o, row in x.items()
+                for k, var in enumerate(row)}
+    # HiGHS's presolve doubles the root's work on these problems and never shrinks them
+    # (Llama-3 70B on (8, 8) under a binding budget: 8.7 s with it, 4.7 s without, same
+    # optimum).
+    options = "presolve = off"
 
     def solved() -> Solution:
         with silenced_stdout():
-            status = solver.Solve(params)
+            result = mip.solve(prog, backend, time_limit, gap, hint, options)
         elapsed = time.perf_counter() - start
-        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE,
-                          pywraplp.Solver.INFEASIBLE, pywraplp.Solver.MODEL_INVALID):
-            # the time limit passed before any plan (HiGHS reports 99): take the greedy one
+        if result.status == mip.NO_SOLUTION:
+            # the time limit passed before any plan: take the greedy one
             if not fallback:
                 return None
             choice = greedy(graph, cost, forced)
             return Solution(choice, plan_time(graph, cost, choice), elapsed, backend,
-                            "greedy (time limit)", solver.NumVariables(),
-                            solver.NumConstraints())
-        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            if status == pywraplp.Solver.INFEASIBLE:
-                raise NoFeasiblePlan(f"no plan fits the memory budget of {memory_budget:.0f} "
-                                     "bytes per device" if memory_budget is not None else
-                                     "no plan exists")
-            raise RuntimeError(f"the {backend} solver stopped without a plan (status {status})")
-        owner_choice = {o: max(range(len(row)), key=lambda k, row=row: row[k].solution_value())
+                            "greedy (time limit)", prog.num_variables, prog.num_constraints)
+        if result.status == mip.INFEASIBLE:
+            raise NoFeasiblePlan(f"no plan fits the memory budget of {memory_budget:.0f} "
+                                 "bytes per device" if memory_budget is not None else
+                                 "no plan exists")
+        values = result.values
+        owner_choice = {o: max(range(len(row)), key=lambda k, row=row: values[row[k]])
                         for o, row in x.items()}
         choice = c.expand(owner_choice)
-        value = objective.Value() / scale
+        value = result.objective / scale
+        total = chosen(values) if split else None
         if split:  # the step of the chosen prices (no tie-break, no penalties)
-            value = step_seconds(chosen(), True, edge)[0]
+            value = step_seconds(total, True, edge)[0]
         elif discouraged and not by_memory:
             value -= PENALTY * sum(1 for n, ks in discouraged.items() if choice[n] in ks)
-        return Solution(choice, value, elapsed, backend,
-                        "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
-                        solver.NumVariables(), solver.NumConstraints())
+        objective_value[0] = result.objective
+        return Solution(choice, value, elapsed, backend, result.status,
+                        prog.num_variables, prog.num_constraints, split=total)
 
-    def chosen() -> Split:  # the prices of the solution, summed by where they run
+    objective_value = [0.0]  # the solver's objective of the last solve (scaled)
+
+    def chosen(values) -> Split:  # the prices of the solution, summed by where they run
         total = NO_TIME
         for var, sp in side:
-            if var.solution_value() > 1e-9:
-                total = total.plus(sp, var.solution_value())
+            if values[var] > 1e-9:
+                total = total.plus(sp, float(values[var]))
         return total
 
     def run() -> Solution:
@@ -411,49 +398,66 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
     def refined(sol: Solution, binding: bool) -> Solution:
         """With overlap the solves above are relaxed: every side second hidden but the
         unhidden share, a lower bound of the step, and its optimum when the plan's side
-        collectives do fit under its compute in each pass. Otherwise the ILP is solved again
-        (the same problem, priced once) with each pass's longer side priced exactly (the rows
-        of `_overlapped_passes`, under the budget; slower: EXACT_SECONDS at most), and its
-        plan taken when it is faster and fits. Unless that plan is proven optimal, the ILP is
-        also solved with every side second priced, as if nothing overlapped (under a binding
-        budget its plan is often far faster than the relaxed one, which gathers more than
-        compute hides), and the fastest plan, priced exactly, kept: the exact solve often
-        runs out of time without a plan, or stops at a slower one (Llama-3 70B over 512 x 2
-        H100s given 150 s, HiGHS even reported "optimal" a plan three times slower than the
-        relaxed one). When `binding` (the fastest plan did not fit), the re-solves are
-        solved under the budget at once."""
+        collectives do fit under its compute in each pass. Otherwise the ILP (the same
+        problem, priced once) is solved again, and the fastest plan that fits, priced
+        exactly, kept:
+
+        - with each pass's longer side priced exactly (the rows of `_overlapped_passes`),
+          on problems of at most EXACT_VARIABLES variables, for EXACT_SECONDS at most; a
+          plan proven optimal ends the refinement. On larger ones HiGHS rarely finishes
+          (Llama-3 70B over 256 x 4 and 512 x 2 H100s: 8 of 13 levels out of time without a
+          plan) and without presolve it may report "optimal" a plan 70% slower than one it
+          missed, so they are not tried;
+        - with the side seconds weighed against the critical ones (`side_share` SCALARIZED[0]
+          of them priced, then, while the plan's side collectives still outlast its compute in
+          a pass, the next weight): plans that give up some hidden collectives for less
+          exposed ones. On those 70B levels each came within 2.7% of the exact optimum (the
+          first weight alone), where pricing every side second, as if nothing overlapped,
+          was up to 14% slower.
+
+        When `binding` (the fastest plan did not fit), the re-solves are solved under the
+        budget at once."""
         if not split or exact_overlap or side_share is not None or \
-                sol.status.startswith("greedy"):
+                sol.status.startswith("greedy") or not side_bound(sol.split, edge):
             return sol  # (the re-solves below are not refined again)
-        total = chosen()
-        if total.side_forward - total.forward <= edge * total.side_forward + 1e-12 and \
-                total.side_backward - total.backward <= edge * total.side_backward + 1e-12:
-            return sol
-        def again(exact: bool) -> Solution | None:  # None: out of time without a plan
-            return _solve(graph, cost, problem, c, memory_budget, backend,
-                          min(time_limit, EXACT_SECONDS) if exact else time_limit, gap, forced,
-                          discouraged, minimize, False, exact, fallback=False,
-                          side_share=None if exact else 1.0, binds=binding)
+
+        def again(exact: bool, share: float | None = None) -> Solution | None:
+            try:  # None: out of time without a plan, or no plan under the budget
+                return _solve(graph, cost, problem, c, memory_budget, backend,
+                              min(time_limit, EXACT_SECONDS) if exact else time_limit,
+                              gap if exact else max(gap, SCALARIZED_GAP), forced, discouraged,
+                              minimize, False, exact, fallback=False, side_share=share,
+                              binds=binding)
+            except NoFeasiblePlan:
+                return None
+
+        def fits(better: Solution | None) -> bool:
+            return better is not None and (
+                memory_budget is None or memory_budget == float("inf") or
+                plan_memory(graph, cost, better.choice) <= memory_budget)
 
         best = sol
-        for exact in (True, False):
-            try:
-                better = again(exact)
-            except NoFeasiblePlan:
-                continue
-            if better is not None and better.objective < best.objective and (
-                    memory_budget is None or memory_budget == float("inf") or
-                    plan_memory(graph, cost, better.choice) <= memory_budget):
+        if prog.num_variables <= EXACT_VARIABLES:
+            better = again(True)
+            if fits(better) and better.objective < best.objective:
                 best = better
-                if exact and better.status == "optimal":
-                    break  # proven fastest
+                if better.status == "optimal":
+                    return best  # proven fastest
+        for share in SCALARIZED:
+            better = again(False, share)
+            if not fits(better):
+                break
+            if better.objective < best.objective:
+                best = better
+            if not side_bound(better.split, edge):
+                break  # its collectives hide: weighing them more would only cost compute
         return best
 
     def lower_bound(sol: Solution | None) -> float | None:  # of a solve without the budget
         if sol is None or by_memory or discouraged or exact_overlap or \
                 side_share is not None or sol.status != "optimal":
             return None
-        return objective.Value() / scale
+        return objective_value[0] / scale
 
     def bounded(sol: Solution | None, bound: float | None) -> Solution | None:
         return sol if sol is None else dataclasses.replace(sol, bound=bound)
@@ -479,11 +483,12 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
         raise NoFeasiblePlan(f"the fastest plan ({peak / 2**30:.3f} GiB per device) does not "
                              f"fit the budget of {memory_budget / 2**30:.3f} GiB",
                              "activations", True, bound)
-    solver.Add(sum(x[o][k] * (m * GIB) for o, ms in problem.memory.items()
-                   for k, m in enumerate(ms) if m)
-               + sum(var * (problem.edge_memory[i][ab] * GIB) for i, ab, var in y_terms
-                     if problem.edge_memory[i].get(ab))
-               + (gathered if gathered is not None else 0) <= memory_budget * GIB)
+    prog.row([(x[o][k], m * GIB) for o, ms in problem.memory.items()
+              for k, m in enumerate(ms) if m]
+             + [(var, problem.edge_memory[i][ab] * GIB) for i, ab, var in y_terms
+                if problem.edge_memory[i].get(ab)]
+             + ([(gathered, 1.0)] if gathered is not None else []),
+             upper=memory_budget * GIB)
     try:
         sol = run()
     except NoFeasiblePlan as e:
@@ -494,9 +499,9 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
 
 @contextlib.contextmanager
 def silenced_stdout():
-    """Discard what native code writes to file descriptor 1 meanwhile: OR-Tools starts HiGHS
-    without passing its output options, and HiGHS prints its banner ("Running HiGHS ...
-    Copyright ...") on every solve whatever SuppressOutput says."""
+    """Discard what native code writes to file descriptor 1 meanwhile: HiGHS prints its
+    banner ("Running HiGHS ... Copyright ...") when constructed, before any option can say
+    otherwise."""
     sys.stdout.flush()
     try:
         saved = os.dup(1)
@@ -512,6 +517,22 @@ def silenced_stdout():
         os.close(saved)
 
 
+# The exact overlap solve is tried on problems of at most this many variables (a small model,
+# or a mesh of few strategies: HiGHS proves their optimum in well under a second).
+EXACT_VARIABLES = 2000
+
+# The shares of side seconds the re-solves price, in turn, while the plan's side collectives
+# outlast its compute (solve's `refined`): between the relaxation's unhidden share (too few:
+# its plans gather more than compute hides) and every second (too many: its plans give up
+# overlap that was free).
+SCALARIZED = (0.5, 1.0)
+
+# The relative gap the weighted re-solves stop at: their objective only stands in for the
+# step (each plan is then priced exactly), and closing the last percent took HiGHS longer
+# than finding the plan (Llama-3 70B levels over 512 x 2 H100s: 8.2 and 10.6 s at 1e-4, 2.8
+# and 3.4 s at 1e-2, the same plans).
+SCALARIZED_GAP = 1e-2
+
 # Seconds the exact overlap solve may take (its max rows make HiGHS's bound weak: Llama-3 70B
 # on (512, 2) under the H100 budget took minutes); the relaxed plan stays when it runs out.
 EXACT_SECONDS = 10.0
@@ -522,53 +543,61 @@ EXACT_SECONDS = 10.0
 SIDE_TIEBREAK = 1e-3
 
 
-def _overlapped_passes(solver, objective, side: list[tuple[object, Split]],
-                       scale: float, edge: float) -> None:
+def side_bound(total: Split, edge: float) -> bool:
+    """Whether, in either pass, the side collectives of a plan whose prices sum to `total`
+    outlast its critical path (beyond the share `edge` nothing hides: cost.step_seconds), so
+    that its step is set by the collectives rather than by compute."""
+    return total.side_forward - total.forward > edge * total.side_forward + 1e-12 or \
+        total.side_backward - total.backward > edge * total.side_backward + 1e-12
+
+
+def _overlapped_passes(prog: mip.Program, side: list[tuple[int, Split]], scale: float,
+                       edge: float, unit: float = 1.0) -> None:
     """Each pass takes the longer of its critical path and the collectives beside it
-    (cost.step_seconds): the objective holds the critical seconds, and per pass a variable
+    (cost.step_seconds): the objective holds the critical seconds, and per pass a column
     bounded below by the side seconds less the critical ones, by the share `edge` of the side
-    seconds that nothing hides, and by 0, adds what of the side collectives is not hidden."""
+    seconds that nothing hides, and by 0, adds what of the side collectives is not hidden.
+    The column counts `unit`s of the objective (CP-SAT makes continuous columns integers:
+    there, thousandths)."""
     for crit, beside in (("forward", "side_forward"), ("backward", "side_backward")):
         if not any(getattr(sp, beside) for _, sp in side):
             continue
-        # CP-SAT makes continuous variables integers: there, in thousandths of the unit
-        unit = 1e-3 if solver.SolverVersion().startswith("CP-SAT") else 1.0
-        exposed = solver.NumVar(0, solver.infinity(), f"exposed_{crit}")
-        objective.SetCoefficient(exposed, unit)
-        solver.Add(exposed * unit >= sum(var * (d * scale) for var, sp in side
-                                         for d in [getattr(sp, beside) - getattr(sp, crit)]
-                                         if d))
+        exposed = prog.var(0.0, mip.INF, False, unit)
+        prog.row([(exposed, unit)] + [(var, -d * scale) for var, sp in side
+                                     for d in [getattr(sp, beside) - getattr(sp, crit)] if d],
+                 lower=0.0)
         if edge:
-            solver.Add(exposed * unit >= sum(var * (getattr(sp, beside) * edge * scale)
-                                             for var, sp in side if getattr(sp, beside)))
+            prog.row([(exposed, unit)] + [(var, -getattr(sp, beside) * edge * scale)
+                                         for var, sp in side if getattr(sp, beside)],
+                     lower=0.0)
 
 
-def _largest_bucket(solver, buckets: list[list[tuple]], x: dict, y_of: dict):
-    """A variable bounded below by every FSDP bucket's gathers in flight (None: no bucket
+def _largest_bucket(prog: mip.Program, buckets: list[list[tuple]], x: dict,
+                    y_of: dict) -> int | None:
+    """A column bounded below by every FSDP bucket's gathers in flight (None: no bucket
     gathers anything in any plan). A bucket is a sum of terms ("x", owner, {strategy: bytes})
     or ("y", block, {(a, b): bytes}); buckets alike (repeated layers) give one constraint.
-    The variable is in GiB, as the memory constraint (bytes make its coefficients 1e10 and
+    The column is in GiB, as the memory constraint (bytes make its coefficients 1e10 and
     HiGHS's feasibility tolerance meaningless)."""
     seen = set()
     largest = None
     for bucket in buckets:
-        coeffs: dict[int, tuple[object, float]] = {}
+        coeffs: dict[int, float] = {}
         for kind, where, held in bucket:
             for key, b in held.items():
                 var = x[where][key] if kind == "x" else y_of.get((where, key))
                 if var is None or not b:
                     continue
-                prev = coeffs.get(id(var), (var, 0.0))[1]
-                coeffs[id(var)] = (var, prev + b)
+                coeffs[var] = coeffs.get(var, 0.0) + b
         if not coeffs:
             continue
-        key = tuple(sorted((i, b) for i, (_, b) in coeffs.items()))
+        key = tuple(sorted(coeffs.items()))
         if key in seen:
             continue
         seen.add(key)
         if largest is None:
-            largest = solver.NumVar(0, solver.infinity(), "gathered")
-        solver.Add(largest >= sum(var * (b * GIB) for var, b in coeffs.values()))
+            largest = prog.var(0.0, mip.INF)
+        prog.row([(largest, 1.0)] + [(var, -b * GIB) for var, b in coeffs.items()], lower=0.0)
     return largest
 
 

@@ -160,15 +160,13 @@ def test_re_solves_under_a_binding_budget_skip_the_solve_without_it(monkeypatch)
     """Once the fastest plan did not fit, the re-solves go straight to the budget: one HiGHS
     solve each, not a solve without the budget first (on Llama-3 70B over 512 x 2 H100s that
     first solve took 7 s with the exact rows, for a plan known not to fit)."""
-    from ortools.linear_solver import pywraplp
-
-    from autopar.solver import ilp
+    from autopar.solver import ilp, mip
 
     graph, cost, budget = _slow_overlapped_mlp()
     calls = []
-    real = pywraplp.Solver.Solve
-    monkeypatch.setattr(pywraplp.Solver, "Solve",
-                        lambda self, *a: calls.append(self.NumConstraints()) or real(self, *a))
+    real = mip.solve
+    monkeypatch.setattr(mip, "solve",
+                        lambda prog, *a: calls.append(prog.num_constraints) or real(prog, *a))
     sol = solve(graph, cost, memory_budget=budget)
     # without the budget, under it (relaxed), under it with the exact rows (its plan proven
     # optimal: nothing more)
@@ -178,12 +176,12 @@ def test_re_solves_under_a_binding_budget_skip_the_solve_without_it(monkeypatch)
     assert ilp.plan_memory(graph, cost, sol.choice) <= budget
 
 
-def test_an_exact_re_solve_that_finds_nothing_faster_leaves_the_unoverlapped_one_to_try(
+def test_an_exact_re_solve_that_finds_nothing_faster_leaves_the_weighted_ones_to_try(
         monkeypatch):
     """When the exact re-solve stops at a plan no faster than the relaxed one (HiGHS did so
     on Llama-3 70B over 512 x 2 H100s: "optimal" at three times the relaxed plan's step), the
-    solve priced as if nothing overlapped still runs, as when the exact solve finds nothing:
-    both give the same answer."""
+    solves weighing side seconds against critical ones still run, as when the exact solve
+    finds nothing: both give the same answer."""
     from autopar.solver import ilp
     from autopar.solver.cost import NO_TIME
 
@@ -193,18 +191,56 @@ def test_an_exact_re_solve_that_finds_nothing_faster_leaves_the_unoverlapped_one
     monkeypatch.setattr(ilp, "_solve", lambda *a, **k: shares.append(k.get("side_share"))
                         or solve_real(*a, **k))
 
-    def blind(solver, objective, side, scale, edge):  # the exact rows, side seconds unseen
-        real(solver, objective, [(var, NO_TIME) for var, _ in side], scale, edge)
+    def blind(prog, side, scale, edge, unit):  # the exact rows, side seconds unseen
+        real(prog, [(var, NO_TIME) for var, _ in side], scale, edge, unit)
 
     monkeypatch.setattr(ilp, "_overlapped_passes", blind)
     blinded = solve(graph, cost, memory_budget=budget)
-    assert shares == [None, None, 1.0]  # relaxed, exact (blind), as if nothing overlapped
+    # relaxed, exact (blind), then the first weight
+    assert shares[:3] == [None, None, ilp.SCALARIZED[0]]
+    assert shares[3:] == list(ilp.SCALARIZED[1:len(shares) - 2])
 
     def nothing(*a):
         raise ilp.NoFeasiblePlan("no plan in time")
 
     monkeypatch.setattr(ilp, "_overlapped_passes", nothing)
     assert solve(graph, cost, memory_budget=budget).choice == blinded.choice
+
+
+def test_large_problems_skip_the_exact_solve_for_weighted_ones(monkeypatch):
+    """Above EXACT_VARIABLES the exact re-solve is not tried (HiGHS rarely finishes it on
+    large models): the weights of SCALARIZED are solved in turn while the plan's collectives
+    still outlast its compute, and the fastest plan, priced exactly, is kept. Weights cannot
+    reach an optimum that balances each pass's collectives against its compute exactly, as
+    this one does (0.009 s): the weighted plans put them all in one pass, which is why small
+    problems are solved exactly."""
+    from autopar.solver import ilp
+
+    graph, cost, _ = _slow_overlapped_mlp()
+    exact = solve(graph, cost)
+    shares, plans = [], []
+    solve_real = ilp._solve
+
+    def recorded(*a, **k):
+        sol = solve_real(*a, **k)
+        shares.append(k.get("side_share"))
+        plans.append(sol)
+        return sol
+
+    monkeypatch.setattr(ilp, "_solve", recorded)
+    monkeypatch.setattr(ilp, "EXACT_VARIABLES", 0)
+    weighed = solve(graph, cost)
+    assert shares[-1] is None  # the outer solve returns last
+    assert shares[:-1] == list(ilp.SCALARIZED[:len(shares) - 1]) and len(shares) > 1
+    # a weight is tried only after the plan of the one before still had collectives exposed
+    assert all(ilp.side_bound(p.split, cost.edge_share()) for p in plans[:-2])
+    for p in plans[:-1]:  # each weighed plan's step is its exact price
+        assert p.objective == pytest.approx(plan_time(graph, cost, p.choice), rel=1e-6)
+    assert weighed.objective <= min(p.objective for p in plans[:-1]) * (1 + 1e-9)
+    assert weighed.objective == pytest.approx(plan_time(graph, cost, weighed.choice), rel=1e-6)
+    assert exact.objective < weighed.objective
+    bal = exact.split
+    assert bal.side_forward == pytest.approx(bal.forward, rel=0.05)
 
 
 def test_the_solvers_bound_is_below_every_plan_whatever_the_budget():
@@ -231,15 +267,14 @@ def test_a_level_whose_last_fastest_plan_does_not_fit_goes_to_the_budget_at_once
     last one is over this level's budget too, the solve goes to the budget at once (one HiGHS
     solve fewer) and returns the plan it returned without the memo; when it fits, the solve
     without the budget runs first, as without the memo."""
-    from ortools.linear_solver import pywraplp
-
+    from autopar.solver import mip
     from autopar.solver.memory import plan_memory
 
     graph, cost, budget = _slow_overlapped_mlp()
     calls = []
-    real = pywraplp.Solver.Solve
-    monkeypatch.setattr(pywraplp.Solver, "Solve",
-                        lambda self, *a: calls.append(self.NumConstraints()) or real(self, *a))
+    real = mip.solve
+    monkeypatch.setattr(mip, "solve",
+                        lambda prog, *a: calls.append(prog.num_constraints) or real(prog, *a))
     memo: list = []
     plain = solve(graph, cost, memory_budget=budget, fastest=memo)
     assert len(memo) == 1 and plan_memory(graph, cost, memo[0]) > budget

@@ -104,11 +104,10 @@ def test_time_limit_without_a_plan_falls_back_to_greedy(monkeypatch):
     (valid, priced by the same cost model) instead of an error. The solver is made to stop
     without a plan, as it does when its time limit passes first (HiGHS then reports a status
     that is neither a plan nor infeasibility)."""
-    from ortools.linear_solver import pywraplp
+    from autopar.solver import mip
 
     graph, cost = _gpt_graph((2, 2))
-    monkeypatch.setattr(pywraplp.Solver, "Solve",
-                        lambda self, *args: pywraplp.Solver.NOT_SOLVED)
+    monkeypatch.setattr(mip, "solve", lambda *a, **k: mip.Result(mip.NO_SOLUTION))
     sol = solve(graph, cost, time_limit=0.001)
     assert sol.status == "greedy (time limit)"
     assert sol.choice == greedy(graph, cost)

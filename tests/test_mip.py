@@ -1,0 +1,41 @@
+"""solver/mip.py: one program, the same answer from HiGHS and from OR-Tools' backends."""
+
+import pytest
+
+from autopar.solver import mip
+
+
+def _knapsack(capacity: float) -> mip.Program:
+    """Pick items (value, weight) within `capacity`, value maximized (minimized negated),
+    plus a continuous column that must cover the chosen weight."""
+    prog = mip.Program()
+    items = [(10.0, 5.0), (7.0, 4.0), (6.0, 3.0), (3.0, 2.0)]
+    xs = [prog.bool_var(-v) for v, _ in items]
+    slack = prog.var(0.0, mip.INF, cost=0.01)
+    prog.row([(x, w) for x, (_, w) in zip(xs, items)], upper=capacity)
+    prog.row([(slack, 1.0)] + [(x, -w) for x, (_, w) in zip(xs, items)], lower=0.0)
+    return prog
+
+
+@pytest.mark.parametrize("backend", ["HIGHS", "SCIP", "CBC"])
+def test_backends_agree_on_a_small_program(backend):
+    result = mip.solve(_knapsack(9.0), backend, 10.0, 1e-9)
+    assert result.status == mip.OPTIMAL
+    # items 0 and 1 (weight 9, value 17) beat 0 and 2 (8, 16) and 1, 2, 3 (9, 16)
+    assert list(result.values[:4].round()) == [1, 1, 0, 0]
+    assert result.values[4] == pytest.approx(9.0)
+    assert result.objective == pytest.approx(-17 + 0.09)
+    assert result.bound == pytest.approx(result.objective, abs=1e-6)
+
+
+def test_infeasible_and_merged_terms():
+    prog = _knapsack(9.0)
+    prog.row([(0, 1.0), (0, 1.0)], lower=3.0)  # 2 x0 >= 3: x0 is at most 1
+    assert prog.index[-1:] == [0] and prog.value[-1:] == [2.0]
+    assert mip.solve(prog, "HIGHS", 10.0, 1e-9).status == mip.INFEASIBLE
+    assert mip.solve(prog, "SCIP", 10.0, 1e-9).status == mip.INFEASIBLE
+
+
+def test_highs_options_are_applied():
+    with pytest.raises(ValueError, match="no_such_option"):
+        mip.solve(_knapsack(9.0), "HIGHS", 10.0, 1e-9, options="no_such_option = 1")
