@@ -131,16 +131,18 @@ def _highs(program: Program, time_limit: float, gap: float, options: str) -> Res
     h.run()
     status = h.getModelStatus()
     info = h.getInfo()
-    if status == highspy.HighsModelStatus.kInfeasible:
-        return Result(INFEASIBLE)
+    kind = highspy.HighsModelStatus
+    if status in (kind.kInfeasible, kind.kUnboundedOrInfeasible):
+        return Result(INFEASIBLE)  # (every column here is bounded or costs more as it grows)
     has_plan = info.primal_solution_status == 2  # kSolutionStatusFeasible
-    if not has_plan:
-        if status in (highspy.HighsModelStatus.kOptimal,):
+    stopped = tuple(getattr(kind, name) for name in ("kTimeLimit", "kIterationLimit",
+                                                     "kSolutionLimit", "kInterrupt",
+                                                     "kMemoryLimit")
+                    if hasattr(kind, name))  # (kMemoryLimit: newer highspy only)
+    if not (has_plan and (status == kind.kOptimal or status in stopped)):
+        if status in stopped:
             return Result(NO_SOLUTION)
-        if status in (highspy.HighsModelStatus.kUnboundedOrInfeasible,
-                      highspy.HighsModelStatus.kUnbounded):
-            return Result(INFEASIBLE)
-        return Result(NO_SOLUTION)
+        raise RuntimeError(f"HiGHS stopped without a plan: {h.modelStatusToString(status)}")
     values = np.asarray(h.getSolution().col_value)
     bound = info.mip_dual_bound if integer.any() else info.objective_function_value
     return Result(OPTIMAL if status == highspy.HighsModelStatus.kOptimal else FEASIBLE,

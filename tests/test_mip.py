@@ -39,3 +39,10 @@ def test_infeasible_and_merged_terms():
 def test_highs_options_are_applied():
     with pytest.raises(ValueError, match="no_such_option"):
         mip.solve(_knapsack(9.0), "HIGHS", 10.0, 1e-9, options="no_such_option = 1")
+
+
+def test_a_solve_stopped_before_any_plan_has_no_solution():
+    """HiGHS given no time stops before any plan: NO_SOLUTION (solver/ilp.py then falls
+    back to its greedy plan), not an error and not a plan."""
+    result = mip.solve(_knapsack(9.0), "HIGHS", 0.0, 1e-9)
+    assert result.status == mip.NO_SOLUTION and result.values is None
