@@ -94,6 +94,9 @@ class StrategyGraph:
     loss: tuple[str, int | None] | None     # the loss value, required replicated
     outputs: list[tuple[str, int | None]]   # the model's flattened outputs
     unsupported: list[str] = field(default_factory=list)
+    # the dtype the program was traced in under mixed precision (None: the model's own): its
+    # float32 tensors are the ones the model computes in float32 on purpose
+    compute_dtype: torch.dtype | None = None
 
 
 def _vals(node: fx.Node) -> list[Any]:
@@ -280,7 +283,8 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
         warnings.warn(f"autopar: no sharding rule for {name}; it runs replicated (every rank "
                       "computes it whole). Add a rule in autopar/passes/rules to shard it.",
                       stacklevel=2)
-    return StrategyGraph(nodes, mesh_shape, loss, outputs, sorted(set(unsupported)))
+    return StrategyGraph(nodes, mesh_shape, loss, outputs, sorted(set(unsupported)),
+                         program.compute_dtype)
 
 
 def _candidates(call: OpCall, mesh_shape: tuple[int, ...], in_shapes) -> list[Strategy]:

@@ -75,6 +75,7 @@ class TracedProgram:
     frozen: set[str] = field(default_factory=set)  # parameter placeholders that do not train
     checkpointed: set[str] = field(default_factory=set)  # ops under torch.utils.checkpoint
     folded: str = ""  # the stack of identical layers traced once and copied (passes/fold.py)
+    compute_dtype: torch.dtype | None = None  # traced in this dtype (mixed precision)
     # strategy graphs built for this program (passes/strategies.py `build`), by mesh shape and
     # input placement: the planner tries several ways to fit memory on one program
     strategy_graphs: dict = field(default_factory=dict, repr=False, compare=False)
@@ -283,7 +284,8 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
                          {ph for ph, name in params.items()
                           if not model.get_parameter(name).requires_grad},
                          {n.name for n in gm.graph.nodes if checkpointed(n)},
-                         stack.path.removeprefix(prefix) if stack is not None else "")
+                         stack.path.removeprefix(prefix) if stack is not None else "",
+                         compute_dtype)
 
 
 def _fold_stack(root: nn.Module, args, kwargs, mode, prefix: str) -> layer_fold.Stack | None:

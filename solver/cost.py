@@ -128,6 +128,7 @@ class CostModel:
         self.graph = graph
         self.activation_factor = activation_factor  # microbatches in flight (pipeline stages)
         self.info: dict[str, mem.NodeInfo] = mem.node_infos(graph) if graph is not None else {}
+        self.traced_in = graph.compute_dtype if graph is not None else None
         self.recompute = recompute or NO_RECOMPUTE  # ops recomputed in backward (passes/recompute)
         self.region_uses = mem.region_input_uses(graph, self.recompute) \
             if graph is not None else Counter()
@@ -152,8 +153,13 @@ class CostModel:
 
     # -- dtypes ----------------------------------------------------------------------------------
     def dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype a traced (float32) tensor has under the plan's precision."""
-        if dtype == torch.float32 and self.precision.compute != torch.float32:
+        """The dtype a traced tensor has when the plan runs. A graph traced in the plan's
+        compute dtype (as the planner and the runtime trace under mixed precision) runs as
+        traced: its float32 tensors are the ones the model computes in float32 on purpose
+        (rotary angles, the loss on float32 logits). On a graph traced in float32, float32
+        tensors take the compute dtype."""
+        if dtype == torch.float32 and self.precision.compute != torch.float32 and \
+                self.traced_in != self.precision.compute:
             return self.precision.compute
         return dtype
 

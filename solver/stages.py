@@ -460,7 +460,8 @@ def subgraph(graph: StrategyGraph, members: list[str], fixed: dict[str, Strategy
     order = [n for n in nodes if nodes[n].kind == INPUT] + \
         [n for n in nodes if nodes[n].kind != INPUT]
     loss = graph.loss if graph.loss and graph.loss[0] in member else None
-    return StrategyGraph({n: nodes[n] for n in order}, graph.mesh_shape, loss, [])
+    return StrategyGraph({n: nodes[n] for n in order}, graph.mesh_shape, loss, [],
+                         graph.compute_dtype)
 
 
 def signature(sub: StrategyGraph) -> tuple:
