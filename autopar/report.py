@@ -26,7 +26,8 @@ WIDTH = 960          # px of a chart's bars
 LABEL = 200          # px of a chart's labels, left of the bars
 COLORS = {"compute": "#4e79a7", "gradient_sync": "#e15759", "idle": "#bab0ac",
           "parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer": "#59a14f",
-          "activations": "#edc948", "recomputed": "#b07aa1", "gathered": "#76b7b2"}
+          "activations": "#edc948", "recomputed": "#b07aa1", "gathered": "#76b7b2",
+          "workspace": "#ff9da7"}
 OTHER = "#f28e2b"    # collectives and memory kinds without a color of their own
 SHOWN = 100          # collectives listed; the rest are counted
 

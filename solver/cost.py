@@ -344,7 +344,13 @@ class CostModel:
             + sum(self.nbytes(s, dt) for s, dt in zip(out_local, node.out_dtypes)))
         dtype = self.dtype(node.out_dtypes[0] if node.out_dtypes else torch.float32)
         peak = self.hw.peak_flops(dtype)
-        moved = nbytes / (self.hw.memory_bandwidth * self.hw.memory_efficiency)
+        bandwidth = self.hw.memory_bandwidth * self.hw.memory_efficiency
+        moved = nbytes / bandwidth
+        traffic = facts(node).traffic
+        if traffic is not None and not view:  # a kernel that does not move its tensors once
+            fwd_bytes, bwd_bytes = traffic(node.call, in_local, out_local,
+                                           lambda dt: self.dtype(dt).itemsize)
+            moved, moved_back = fwd_bytes / bandwidth, bwd_bytes / bandwidth
         launch = self.hw.view_launch if view else self.hw.launch
         product = facts(node).product
         if product is not None:
@@ -368,6 +374,9 @@ class CostModel:
         if facts(node).kernel == "attention" and self.hw.attention:
             bwd = self.kernel_time(node, flops, peak, in_local, backward=True)
             return fwd, max(bwd, moved * backward_factor(node)) + launch
+        if traffic is not None and not view:
+            return fwd, max(backward_factor(node) * self.kernel_time(node, flops, peak, in_local),
+                            moved_back) + launch
         return fwd, backward_factor(node) * roof + launch
 
     def kernel_time(self, node: SNode, flops: float, peak: float, in_local: list[tuple],
@@ -460,8 +469,10 @@ class CostModel:
     def activation_memory(self, node: SNode, strategy: Strategy) -> float:
         """Bytes per device autograd keeps for backward on account of this node's strategy: its
         own output when its backward needs it, and statistics (solver/memory.py), times the
-        microbatches in flight (`activation_factor`)."""
-        return self.activation_factor * mem.saved_bytes(self, node, strategy)
+        microbatches in flight (`activation_factor`); plus the gradient buffers a loss's
+        backward allocates at the peak (`memory.workspace_bytes`, once)."""
+        return self.activation_factor * mem.saved_bytes(self, node, strategy) + \
+            mem.workspace_bytes(self, node, strategy)
 
     def edge_memory(self, graph: StrategyGraph, consumer: SNode, slot: int,
                     src: Placements, dst: Placements) -> float:

@@ -59,6 +59,10 @@ from .memory import plan_memory
 
 SCALE = 1e6  # seconds -> microseconds inside the solver
 GIB = 1.0 / 2**30  # bytes -> GiB in the memory constraint and the least-memory objective
+# GiB the memory constraint keeps below the budget: solvers accept rows violated within their
+# feasibility tolerance (HiGHS: 1e-7 in the row's scaled units), which on a budget of a few MB
+# let a plan 256 bytes over it through; 1 KiB is four times that and nothing at GPU scale.
+ROW_SLACK = 2.0**-20
 PENALTY = 1.0  # seconds added to a discouraged strategy (forced styles)
 BACKENDS = ("HIGHS", "SCIP", "CBC", "CP_SAT")
 
@@ -489,7 +493,7 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
              + [(var, problem.edge_memory[i][ab] * GIB) for i, ab, var in y_terms
                 if problem.edge_memory[i].get(ab)]
              + ([(gathered, 1.0)] if gathered is not None else []),
-             upper=memory_budget * GIB)
+             upper=memory_budget * GIB - ROW_SLACK)
     try:
         sol = run()
     except NoFeasiblePlan as e:

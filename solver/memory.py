@@ -59,7 +59,8 @@ from .flops import facts, is_view
 from .specs import optimizer_spec, precision_spec
 
 GiB = 2**30
-KINDS = ("parameters", "gradients", "optimizer", "activations", "recomputed", "gathered")
+KINDS = ("parameters", "gradients", "optimizer", "activations", "recomputed", "gathered",
+         "workspace")
 
 
 class Prices(Protocol):
@@ -134,6 +135,16 @@ def extra_saved_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
         return 0.0
     in_local, out_local = cost.local_shapes(node, strategy)
     return f.extra_saved(node.call, in_local, out_local, lambda dt: cost.dtype(dt).itemsize)
+
+
+def workspace_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
+    """Bytes of the gradient buffers an op's backward allocates while everything saved is
+    still alive (the op's facts: a loss, the first op backward runs), of this rank's block."""
+    f = facts(node)
+    if f.workspace is None or node.call is None or node.kind != OP or not node.requires_grad:
+        return 0.0
+    in_local, out_local = cost.local_shapes(node, strategy)
+    return f.workspace(node.call, in_local, out_local, lambda dt: cost.dtype(dt).itemsize)
 
 
 @dataclass(frozen=True)
@@ -423,7 +434,8 @@ def parameter_bytes(cost: Prices, node: SNode, storage, zero: int = 0) -> dict[s
 def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
                  ) -> dict[str, float]:
     """Bytes per device of a complete assignment, by kind (KINDS; "recomputed" only when
-    something recomputes, "gathered" only when FSDP gathers parameters); sums to the ILP's
+    something recomputes, "gathered" only when FSDP gathers parameters, "workspace" only when
+    a loss's backward allocates gradient buffers at the peak); sums to the ILP's
     memory, but for "gathered": the ILP counts the largest parameter gathered, this its
     bucket (`gathered_bytes`)."""
     out = dict.fromkeys(KINDS, 0.0)
@@ -439,10 +451,12 @@ def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
         again = relived_bytes(cost, graph, v, s, [
             (tuple(choice[u].out(idx)), tuple(s.inputs[slot]))
             for slot, (u, idx) in enumerate(v.inputs)])
-        out["activations"] += act - again
+        work = workspace_bytes(cost, v, s)
+        out["activations"] += act - again - work
         out["recomputed"] += again
+        out["workspace"] += work
     out["gathered"] = gathered_bytes(graph, cost, choice)
-    for kind in ("recomputed", "gathered"):  # only plans that recompute (gather) have them
+    for kind in ("recomputed", "gathered", "workspace"):  # only plans that have them
         if not out[kind]:
             del out[kind]
     return out

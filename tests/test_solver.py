@@ -120,8 +120,9 @@ def test_time_limit_without_a_plan_falls_back_to_greedy(monkeypatch):
 
 def test_memory_budget_holds_at_gpu_scale():
     """A Llama-3-8B-shaped model (2 layers, 8 x 4096 tokens) on an (8, 8) H100 mesh under a
-    1.5 GiB budget: the plan's peak is within it. With the memory row in bytes (coefficients
-    up to 1e10) HiGHS's tolerances let it return a plan of 5.2 GiB, 3.4x slower, as optimal."""
+    2 GiB budget: the plan's peak is within it. With the memory row in bytes (coefficients
+    up to 1e10) HiGHS's tolerances let it return a plan of 5.2 GiB, 3.4x slower, as optimal.
+    (Half a GiB of the smallest peak, 1.62 GiB, is the loss's backward buffers.)"""
     from autopar.options import PlanOptions
     from autopar.planner import solve_plan
     from autopar.zoo import hf_llama, lm_loss
@@ -131,11 +132,10 @@ def test_memory_budget_holds_at_gpu_scale():
                          hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                          intermediate_size=14336)
     ids = torch.randint(0, 128256, (8, 4096), device="meta")
-    budget = 1.5 * 2**30
+    budget = 2.0 * 2**30
     plan, _ = solve_plan(trace(model, (ids,), lm_loss, ids),
                          autopar.MeshSpec((8, 8), hardware="h100"),
                          PlanOptions(memory_budget=budget), recompute="none", reshard=True)
     assert plan.cost.peak_memory <= budget
-    # 0.114 s (0.0995 s when every GEMM was priced at peak, when the over-budget plan was
-    # 0.284 s)
-    assert plan.cost.step_time < 0.125
+    # 0.101 s (the fastest plan, 7.9 GiB: 0.075 s)
+    assert plan.cost.step_time < 0.11

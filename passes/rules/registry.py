@@ -132,6 +132,13 @@ class OpFacts:
     `extra_saved(call, in_local, out_local, itemsize)`: bytes of small tensors it makes only
     for backward (statistics, log-sum-exp, a dropout mask), `itemsize(dtype)` giving a traced
     dtype's size under the plan's precision.
+    `workspace(call, in_local, out_local, itemsize)`: bytes of the gradient buffers its
+    backward allocates while everything forward saved is still alive (a loss: the first op
+    backward runs), beyond what it saves.
+    `traffic(call, in_local, out_local, itemsize)`: (forward, backward) bytes a memory-bound
+    kernel moves, when it is not its inputs and outputs once each (forward) and the same
+    again (backward): a lookup reads only the rows it gathers and its backward writes the
+    whole table; a loss makes several passes over its input.
     `draws(call)`: random numbers it draws on every rank (the whole tensor, whatever the
     sharding).
     `kernel`: the fused kernel family it runs on GPUs when its speed is not a GEMM's nor
@@ -148,6 +155,8 @@ class OpFacts:
     extra_saved: Callable | None = None
     draws: Callable | None = None
     kernel: str = ""
+    workspace: Callable | None = None
+    traffic: Callable | None = None
 
 
 UNKNOWN = OpFacts()  # an op no family states facts for: assume it keeps every input
