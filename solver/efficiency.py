@@ -16,7 +16,11 @@ module turns them into seconds for one op on its local shapes:
   pipeline fill of `gemm_k_overhead` inner elements, so a short reduction K runs at
   K / (K + overhead) of the rate. These losses are relative to the shape where the maximum
   was measured (`matmul_best_shape`), so that shape reaches exactly the maximum and none
-  exceeds it. Small and skinny GEMMs (a few rows of a microbatch, a narrow tensor-parallel
+  exceeds it. Where the profile holds measured shares (`gemm_measured`, autopar.measured:
+  measured on the GPU itself), the analytic share is scaled by the measured / analytic ratio
+  interpolated from the nearest measured shapes: the shape dependence cuBLAS's kernels have
+  beyond quantization (wide and narrow outputs, huge reductions) comes from measurement.
+  Small and skinny GEMMs (a few rows of a microbatch, a narrow tensor-parallel
   shard) reach far less of peak than large square ones. A product is never faster than
   reading its operands and writing its output at the achievable memory bandwidth.
 - Attention (SDPA): the fused kernel's measured throughput by sequence length (`attention`,
@@ -55,8 +59,55 @@ def matmul_efficiency(hw, m: int, n: int, k: int) -> float:
     eff = hw.matmul_efficiency
     if not hw.sm_count or min(m, n, k) <= 0:
         return eff
-    reference = _quantized(hw, *hw.matmul_best_shape) if all(hw.matmul_best_shape) else 1.0
-    return eff * min(1.0, _quantized(hw, m, n, k) / reference)
+    share = eff * min(1.0, _quantized(hw, m, n, k) / _reference(hw))
+    if hw.gemm_measured:
+        share = min(1.0, share * _measured_ratio(hw, m, n, k))
+    return share
+
+
+def _reference(hw) -> float:
+    return _quantized(hw, *hw.matmul_best_shape) if all(hw.matmul_best_shape) else 1.0
+
+
+def _measured_ratio(hw, m: int, n: int, k: int) -> float:
+    """Measured / analytic share near (M, N, K): the geometric mean of the ratios at the
+    profile's measured shapes (`gemm_measured`), weighted by 1 / (d^2 + 1/4)^2 with d the
+    distance in log2 of (M, N, K), so that a measured shape's own ratio dominates there
+    and its neighbours' between them."""
+    key = (id(hw.gemm_measured), id(hw.gemm_tiles), hw.matmul_efficiency, hw.sm_count,
+           hw.gemm_k_overhead, tuple(hw.matmul_best_shape))
+    entry = _MEASURED.get(key)
+    if entry is None:  # the entry keeps the tuples whose ids key it alive
+        entry = _MEASURED[key] = (hw.gemm_measured, hw.gemm_tiles, _ratios(hw), {})
+    memo = entry[3]
+    got = memo.get((m, n, k))
+    if got is None:
+        x = (math.log2(m), math.log2(n), math.log2(k))
+        num = den = 0.0
+        for p, log_ratio in entry[2]:
+            d2 = (x[0] - p[0]) ** 2 + (x[1] - p[1]) ** 2 + (x[2] - p[2]) ** 2
+            w = 1.0 / (d2 + 0.25) ** 2
+            num += w * log_ratio
+            den += w
+        got = memo[m, n, k] = math.exp(num / den)
+    return got
+
+
+# measured ratios per profile (keyed by its measured and tile tuples and analytic figures),
+# with the ratio of each shape priced so far: a plan prices the same few shapes many times
+_MEASURED: dict[tuple, tuple] = {}
+
+
+def _ratios(hw) -> tuple:
+    """(log2 (M, N, K), log of measured / analytic share) of each measured shape."""
+    reference = _reference(hw)
+    tiles = tuple(map(tuple, hw.gemm_tiles))
+    out = []
+    for m, n, k, share in hw.gemm_measured:
+        analytic = hw.matmul_efficiency * min(
+            1.0, _quantize(hw.sm_count, tiles, hw.gemm_k_overhead, m, n, k) / reference)
+        out.append(((math.log2(m), math.log2(n), math.log2(k)), math.log(share / analytic)))
+    return tuple(out)
 
 
 def _quantized(hw, m: int, n: int, k: int) -> float:

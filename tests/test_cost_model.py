@@ -1,6 +1,7 @@
 """The cost model's figures: hardware profiles, flops (Megatron's count), roofline and
 alpha-beta pricing, calibration on a real gloo world, measured op times, the printed cost."""
 
+import dataclasses
 import json
 import math
 
@@ -163,9 +164,10 @@ def test_roofline_prices_backward_by_the_gradients_it_computes():
 
 
 def test_gemm_efficiency_falls_for_small_and_skinny_shapes():
-    """The shape the maximum was measured at reaches it exactly, nothing exceeds it, and a few
-    rows (a small microbatch), a narrow shard or a short reduction reach far less."""
-    h100 = autopar.H100
+    """Analytically (no measured shapes): the shape the maximum was measured at reaches it
+    exactly, nothing exceeds it, and a few rows (a small microbatch), a narrow shard or a
+    short reduction reach far less."""
+    h100 = dataclasses.replace(autopar.H100, gemm_measured=())
     best = matmul_efficiency(h100, *h100.matmul_best_shape)
     assert best == pytest.approx(792.1 / 989.4)
     large = matmul_efficiency(h100, 8192, 4096, 4096)
@@ -178,9 +180,30 @@ def test_gemm_efficiency_falls_for_small_and_skinny_shapes():
     assert matmul_efficiency(autopar.CPU, 64, 8, 8) == 1.0  # CPUs: the plain roofline
 
 
+def test_gemm_efficiency_follows_measured_shapes():
+    """With measured shares (the built-in H100 profile's, measured on an H200): a measured
+    shape prices at its measured share (its own weight dominates the interpolation), shapes
+    between measured ones between theirs, and no shape above the peak."""
+    h100 = autopar.H100
+    by_shape = {(m, n, k): share for m, n, k, share in h100.gemm_measured}
+    for shape in [(131072, 128, 8192), (16384, 4096, 14336), (4096, 4096, 16384)]:
+        assert matmul_efficiency(h100, *shape) == pytest.approx(by_shape[shape], rel=0.03)
+    # a 128-wide output (70B's key projection under 8-way tensor parallelism) reaches far
+    # less than the analytic model says; a wide one about what it says
+    analytic = dataclasses.replace(h100, gemm_measured=())
+    assert matmul_efficiency(h100, 131072, 128, 8192) < \
+        0.75 * matmul_efficiency(analytic, 131072, 128, 8192)
+    between = matmul_efficiency(h100, 16384, 4096, 8192)
+    low, high = sorted((by_shape[16384, 4096, 4096], by_shape[16384, 4096, 16384]))
+    assert 0.95 * low <= between <= 1.05 * high
+    assert all(0 < matmul_efficiency(h100, m, n, k) <= 1.0
+               for m in (1, 300, 70000) for n in (7, 5000) for k in (3, 100000))
+
+
 def test_attention_runs_at_its_fused_kernels_measured_rate():
-    """SDPA is priced at the FlashAttention-2 rate the H100 profile records for its kv length
-    (causal forward, backward at 2.5x forward flops) and slower at short sequences."""
+    """SDPA is priced at the rate the H100 profile records for its kv length (PyTorch 2.11's
+    kernel, measured: causal forward, backward at 2.5x forward flops) and slower at short
+    sequences (below the first measured length, in proportion)."""
     def priced(seq):
         q = torch.randn(2, 8, seq, 128)
         graph = strategies.build(trace_example(_Attention(), (q, q, q, q), F.mse_loss), (1,))
@@ -192,10 +215,10 @@ def test_attention_runs_at_its_fused_kernels_measured_rate():
 
     (fwd, bwd), flops = priced(4096)
     launch = autopar.H100.launch
-    assert fwd == pytest.approx(flops / 319e12 + launch)
-    assert bwd == pytest.approx(2.5 * flops / 310e12 + launch)
+    assert fwd == pytest.approx(flops / 587e12 + launch)
+    assert bwd == pytest.approx(2.5 * flops / 459e12 + launch)
     (fwd_short, _), flops_short = priced(512)
-    assert flops_short / (fwd_short - launch) == pytest.approx(191e12)
+    assert flops_short / (fwd_short - launch) == pytest.approx(435e12 / 2)
 
 
 class _Attention(torch.nn.Module):
@@ -388,3 +411,27 @@ def test_predicted_vs_measured_benchmark_runs(world4):
     assert all(r["measured"] > 0 and r["predicted"] > 0 for r in result["rows"])
     assert spearman([1, 2, 3], [10, 30, 20]) == pytest.approx(0.5)
     assert spearman([1, 2, 3, 4], [1, 2, 3, 4]) == pytest.approx(1.0)
+
+
+def test_cross_entropy_and_lookups_are_priced_by_the_bytes_they_move():
+    """Cross-entropy makes four passes over its logits forward and five backward (as measured
+    on an H200: benchmarks/RESULTS.md, "One GPU"); a lookup reads only the rows it gathers
+    and its backward writes the whole table's gradient."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=4096, block_size=64, n_layer=1, n_head=2, n_embd=64))
+    ids = torch.randint(0, 4096, (8, 64))
+    graph = strategies.build(trace_example(model, (ids, ids), lm_loss), (1,))
+    cost = CostModel(autopar.MeshSpec((1,), hardware="h100"), graph=graph)
+    hw = autopar.H100
+    bandwidth = hw.memory_bandwidth * hw.memory_efficiency
+    loss = next(v for v in graph.nodes.values() if v.op.startswith("cross_entropy"))
+    logits = 8 * 64 * 4096 * 4
+    fwd, bwd = cost.compute_times(loss, loss.strategies[0])
+    assert fwd == pytest.approx(4 * logits / bandwidth + hw.launch)
+    assert bwd == pytest.approx(5 * logits / bandwidth + hw.launch)
+    lookup = next(v for v in graph.nodes.values()
+                  if v.op.startswith("embedding") and v.in_shapes[0][0] == 4096)
+    fwd, bwd = cost.compute_times(lookup, lookup.strategies[0])
+    rows = 8 * 64 * 64 * 4
+    assert fwd == pytest.approx((2 * rows + 8 * 64 * 8) / bandwidth + hw.launch)
+    assert bwd == pytest.approx((4 * 4096 * 64 * 4 + rows) / bandwidth + hw.launch)
