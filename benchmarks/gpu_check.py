@@ -33,6 +33,9 @@ others still run.
    against the plan's prediction and against plain PyTorch.
 9. `recompute`: the 8B-wide model with four layers trained by autopar under each
    recomputation mode: step and peak memory against the plan's.
+10. `layers` (not in the default list): torchtitan's 8B per-GPU step on one GPU,
+   extrapolated from 4 and 8 layers under selective recomputation, with the default
+   attention kernel and with FlashAttention-2.
 """
 
 from __future__ import annotations
@@ -538,6 +541,46 @@ def recompute_part(device, hw, small: bool) -> list[dict]:
     return rows
 
 
+def layers_part(device, hw, small: bool) -> list[dict]:
+    """torchtitan's 8B per-GPU step on one GPU, by extrapolation: the 8B-wide model with 4 and
+    8 layers trained by autopar (bf16-mixed, selective recomputation, 2 x 8192 tokens), with
+    the default attention kernel and with FlashAttention-2 (SDPA's flash backend, what
+    PyTorch ran on H100s in 2024); forward + backward seconds, per layer, and the 32-layer
+    step they extrapolate to."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    init_world(device)
+    mesh = init_device_mesh(device.type, (1,))
+    ids = batch(small, device)
+    rows = []
+    for layers in (4, 8):
+        torch.manual_seed(0)
+        pmodel = autopar.parallelize(llama(layers, small), mesh, loss_fn=lm_loss,
+                                     precision="bf16-mixed", recompute="selective",
+                                     example_inputs=(ids, ids), progress=False, hardware=hw)
+        row = {"layers": layers, "predicted_s": pmodel.plan.cost.step_time}
+        for name, backend in (("default", None), ("flash", SDPBackend.FLASH_ATTENTION)):
+            ctx = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
+            with ctx:
+                row[f"{name}_s"] = timed(lambda pmodel=pmodel: pmodel.step(ids, ids), device,
+                                         1, 5)
+        rows.append(row)
+        pmodel = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    four, eight = rows
+    per = {k: (eight[k] - four[k]) / 4 for k in ("predicted_s", "default_s", "flash_s")}
+    rows.append({"layers": "per layer", **per})
+    rows.append({"layers": 32, **{k: four[k] + 28 * per[k] for k in per}})
+    print("\n## the 8B-wide model under selective recomputation, autopar on one GPU\n\n"
+          "| layers | predicted s | measured s, default attention | measured s, "
+          "FlashAttention-2 |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layers']} | {r['predicted_s']:.4f} | {r['default_s']:.4f} | "
+              f"{r['flash_s']:.4f} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu_check")
@@ -560,6 +603,7 @@ def main() -> None:
         "steps": lambda: steps_part(device, hw, a.small, profiler),
         "nccl": lambda: nccl_part(device, hw, a.small),
         "recompute": lambda: recompute_part(device, hw, a.small),
+        "layers": lambda: layers_part(device, hw, a.small),
     }
     results = {"profile": hw.name}
     for name in a.parts.split(","):
