@@ -110,9 +110,11 @@ def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
 
 def _dominant(split: dict[str, float]) -> str:
     """The kind of memory that dominates `split` (activations live again while backward
-    recomputes them count as activations)."""
+    recomputes them, and the loss's backward buffers, count as activations: the batch sets
+    them all)."""
     merged = dict(split)
-    merged["activations"] = merged.get("activations", 0.0) + merged.pop("recomputed", 0.0)
+    merged["activations"] = merged.get("activations", 0.0) + merged.pop("recomputed", 0.0) \
+        + merged.pop("workspace", 0.0)
     return max(merged, key=lambda k: merged[k])
 
 

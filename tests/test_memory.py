@@ -366,3 +366,22 @@ def test_the_loss_backward_buffers_are_part_of_the_peak(precision):
                             memory_budget=float("inf"))
         assert plan.cost.memory["workspace"] == 2 * 4 * logits / share
         assert plan.cost.peak_memory == pytest.approx(sum(plan.cost.memory.values()))
+
+
+def test_a_peak_the_loss_dominates_is_reported_as_activations():
+    """With a large vocabulary and a short model the loss's backward buffers are the largest
+    kind of memory: the error names activations (what the batch sets) and the loss."""
+    torch.manual_seed(0)
+    model = Llama3(Llama3Config(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=8192,
+                                ffn_dim=32))
+    ids = torch.randint(0, 8192, (8, 64))
+    spec = autopar.MeshSpec((1,), hardware="h100")
+    free = autopar.plan(model, spec, (ids, ids), loss_fn=lm_loss)
+    split = free.cost.memory
+    assert split["workspace"] == max(split.values())
+    with pytest.raises(NoFeasiblePlan) as info:
+        autopar.plan(model, spec, (ids, ids), loss_fn=lm_loss, microbatches=1,
+                     recompute="none", memory_budget=free.cost.peak_memory * 0.5)
+    message = str(info.value)
+    assert "dominated by activations" in message and "cross_entropy_loss" in message
+    assert "workspace" in message
