@@ -59,10 +59,6 @@ from .memory import plan_memory
 
 SCALE = 1e6  # seconds -> microseconds inside the solver
 GIB = 1.0 / 2**30  # bytes -> GiB in the memory constraint and the least-memory objective
-# GiB the memory constraint keeps below the budget: solvers accept rows violated within their
-# feasibility tolerance (HiGHS: 1e-7 in the row's scaled units), which on a budget of a few MB
-# let a plan 256 bytes over it through; 1 KiB is four times that and nothing at GPU scale.
-ROW_SLACK = 2.0**-20
 PENALTY = 1.0  # seconds added to a discouraged strategy (forced styles)
 BACKENDS = ("HIGHS", "SCIP", "CBC", "CP_SAT")
 
@@ -488,14 +484,22 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
         raise NoFeasiblePlan(f"the fastest plan ({peak / 2**30:.3f} GiB per device) does not "
                              f"fit the budget of {memory_budget / 2**30:.3f} GiB",
                              "activations", True, bound)
+    memory_row = prog.num_constraints
     prog.row([(x[o][k], m * GIB) for o, ms in problem.memory.items()
               for k, m in enumerate(ms) if m]
              + [(var, problem.edge_memory[i][ab] * GIB) for i, ab, var in y_terms
                 if problem.edge_memory[i].get(ab)]
              + ([(gathered, 1.0)] if gathered is not None else []),
-             upper=memory_budget * GIB - ROW_SLACK)
+             upper=memory_budget * GIB)
     try:
         sol = run()
+        over = plan_memory(graph, cost, sol.choice) - memory_budget
+        if over > 0 and not sol.status.startswith("greedy"):
+            # The solver accepts rows violated within its feasibility tolerance (HiGHS: 1e-7
+            # in the row's units): on a budget of a few MB a plan 256 bytes over it came
+            # back. Solved again with the row that much tighter, twice over.
+            prog.row_upper[memory_row] = (memory_budget - 2 * over) * GIB
+            sol = run()
     except NoFeasiblePlan as e:
         e.bound = bound
         raise
