@@ -70,6 +70,7 @@ SMALL = dict(dim=256, n_heads=4, n_kv_heads=2, vocab_size=1024, ffn_dim=512)
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on CPUs)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -95,8 +96,9 @@ def profile_for(device: torch.device):
     return get_profile("h200" if "H200" in torch.cuda.get_device_name(device) else "h100")
 
 
-# -- 1. device ------------------------------------------------------------------------------------
+# -- device ---------------------------------------------------------------------------------------
 def device_part(device, small: bool) -> dict:
+    """The device and its ceilings: a bf16 product's TFLOP/s and a copy's bandwidth."""
     n = 512 if small else 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -117,7 +119,7 @@ def device_part(device, small: bool) -> dict:
     return out
 
 
-# -- 2. gemm --------------------------------------------------------------------------------------
+# -- gemm -----------------------------------------------------------------------------------------
 def gemm_shapes(small: bool) -> list[tuple[str, int, int, int]]:
     """(label, M, N, K): Llama-3 8B's products at 2 x 8192 tokens (forward; backward's input
     gradient is M x K x N and weight gradient N x K x M), 70B's under 8-way tensor
@@ -141,6 +143,7 @@ def gemm_shapes(small: bool) -> list[tuple[str, int, int, int]]:
 
 
 def gemm_part(device, hw, small: bool) -> list[dict]:
+    """Each of `gemm_shapes` timed against the cost model's price of it."""
     rows = []
     peak = hw.peak_flops(torch.bfloat16)
     for label, m, n, k in gemm_shapes(small):
@@ -258,8 +261,9 @@ def kernels_part(device, small: bool) -> dict:
     return out
 
 
-# -- 3. attention ---------------------------------------------------------------------------------
+# -- attention ------------------------------------------------------------------------------------
 def attention_part(device, hw, small: bool) -> list[dict]:
+    """Causal SDPA (the default backend) by sequence length against the profile's table."""
     rows = []
     heads, d = (4, 64) if small else (32, 128)
     tokens = 1024 if small else 16384
@@ -296,13 +300,15 @@ def attention_part(device, hw, small: bool) -> list[dict]:
     return rows
 
 
-# -- 4. ops ---------------------------------------------------------------------------------------
+# -- ops ------------------------------------------------------------------------------------------
 def llama(layers: int, small: bool, device="meta") -> Llama3:
+    """torchtitan's Llama 3 at 8B width (or tiny, `small`) with `layers` layers."""
     with torch.device(device):
         return Llama3(Llama3Config(n_layers=layers, **(SMALL if small else BIG)))
 
 
 def batch(small: bool, device="meta") -> torch.Tensor:
+    """Token ids of torchtitan's 8B local batch, 2 x 8192 (2 x 256 when `small`)."""
     vocab = (SMALL if small else BIG)["vocab_size"]
     shape = (2, 256) if small else (2, 8192)
     if str(device) == "meta":
@@ -311,6 +317,7 @@ def batch(small: bool, device="meta") -> torch.Tensor:
 
 
 def kind_of(node) -> str:
+    """How the cost model prices the op: view, product, attention or memory-bound."""
     if is_view(node):
         return "view"
     if facts(node).product is not None:
@@ -320,7 +327,8 @@ def kind_of(node) -> str:
     return "memory-bound"
 
 
-def ops_part(device, hw, small: bool, out: Path, profiler: OpProfiler) -> dict:
+def ops_part(device, hw, small: bool, profiler: OpProfiler) -> dict:
+    """Every op of the two-layer model timed by `profiler` against the cost model's price."""
     ids = batch(small)
     program = trace(llama(2, small), (ids,), lm_loss, ids, compute_dtype=torch.bfloat16)
     graph = strategies.build(program, (1,))  # traced in bf16, as the planner traces
@@ -362,8 +370,9 @@ def ops_part(device, hw, small: bool, out: Path, profiler: OpProfiler) -> dict:
     return {"rows": rows, "kinds": kinds, "seconds": took}
 
 
-# -- 5. steps -------------------------------------------------------------------------------------
+# -- steps ----------------------------------------------------------------------------------------
 def eager_step(model, ids):
+    """A plain PyTorch forward + backward of `model` on `ids`."""
     def step():
         model.zero_grad(set_to_none=True)
         lm_loss(model(ids).float(), ids).backward()  # as torchtitan (and autopar) do
@@ -371,6 +380,7 @@ def eager_step(model, ids):
 
 
 def steps_part(device, hw, small: bool, profiler: OpProfiler) -> list[dict]:
+    """Eager forward + backward of the model with 2 and 4 layers against the plans'."""
     rows = []
     spec = autopar.MeshSpec((1,), hardware=hw)
     for layers in (2, 4):
@@ -409,8 +419,9 @@ def steps_part(device, hw, small: bool, profiler: OpProfiler) -> list[dict]:
     return rows
 
 
-# -- 6. nccl --------------------------------------------------------------------------------------
+# -- nccl -----------------------------------------------------------------------------------------
 def init_world(device) -> None:
+    """A process group of this one process: NCCL on a GPU, gloo on a CPU."""
     import torch.distributed as dist
     if dist.is_initialized():
         return
@@ -424,6 +435,8 @@ def init_world(device) -> None:
 
 
 def nccl_part(device, hw, small: bool) -> dict:
+    """autopar on a world of one: exactness against one device, then a step's time and peak
+    memory against the plan's and plain PyTorch's."""
     from torch.distributed.device_mesh import init_device_mesh
     init_world(device)
     mesh = init_device_mesh(device.type, (1,))
@@ -582,6 +595,7 @@ def layers_part(device, hw, small: bool) -> list[dict]:
 
 
 def main() -> None:
+    """Run the parts asked for, each on its own: a failing one prints its traceback."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu_check")
     ap.add_argument("--small", action="store_true", help="tiny sizes (checks the mechanics)")
@@ -599,7 +613,7 @@ def main() -> None:
         "sweep": lambda: sweep_part(device, hw, a.small),
         "kernels": lambda: kernels_part(device, a.small),
         "attention": lambda: attention_part(device, hw, a.small),
-        "ops": lambda: ops_part(device, hw, a.small, out, profiler),
+        "ops": lambda: ops_part(device, hw, a.small, profiler),
         "steps": lambda: steps_part(device, hw, a.small, profiler),
         "nccl": lambda: nccl_part(device, hw, a.small),
         "recompute": lambda: recompute_part(device, hw, a.small),
