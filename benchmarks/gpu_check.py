@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.calibrate import time_per_call
+from autopar.calibrate import device_sync, time_per_call
 from autopar.hardware import get_profile
 from autopar.passes import strategies
 from autopar.passes.trace import trace
@@ -69,22 +69,17 @@ BIG = dict(dim=4096, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336)
 SMALL = dict(dim=256, n_heads=4, n_kv_heads=2, vocab_size=1024, ffn_dim=512)
 
 
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (nothing to wait for on CPUs)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn, device, warmup: int = 2, repeat: int = 5) -> float:
-    """Median seconds of `fn` over `repeat` calls after `warmup` (device synchronized)."""
+    """Median seconds of `fn` over `repeat` calls after `warmup`, each waited for."""
+    sync = device_sync(device)
     for _ in range(warmup):
         fn()
-    sync(device)
+    sync()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
-        sync(device)
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -193,7 +188,7 @@ def sweep_part(device, hw, small: bool) -> list[dict]:
         for m, n, k in order:
             a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
-            t = time_per_call(lambda a=a, b=b: a @ b, 0.02, lambda: sync(device), rounds=3)
+            t = time_per_call(lambda a=a, b=b: a @ b, 0.02, device_sync(device), rounds=3)
             best[m, n, k] = min(best.get((m, n, k), math.inf), t)
             del a, b
     peak = hw.peak_flops(torch.bfloat16)

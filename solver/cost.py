@@ -347,7 +347,8 @@ class CostModel:
         bandwidth = self.hw.memory_bandwidth * self.hw.memory_efficiency
         moved = nbytes / bandwidth
         traffic = facts(node).traffic
-        if traffic is not None and not view:  # a kernel that does not move its tensors once
+        moved_back = None  # backward's bytes, for a kernel that does not move its tensors once
+        if traffic is not None and not view:
             fwd_bytes, bwd_bytes = traffic(node.call, in_local, out_local,
                                            lambda dt: self.dtype(dt).itemsize)
             moved, moved_back = fwd_bytes / bandwidth, bwd_bytes / bandwidth
@@ -374,7 +375,7 @@ class CostModel:
         if facts(node).kernel == "attention" and self.hw.attention:
             bwd = self.kernel_time(node, flops, peak, in_local, backward=True)
             return fwd, max(bwd, moved * backward_factor(node)) + launch
-        if traffic is not None and not view:
+        if moved_back is not None:
             return fwd, max(backward_factor(node) * self.kernel_time(node, flops, peak, in_local),
                             moved_back) + launch
         return fwd, backward_factor(node) * roof + launch

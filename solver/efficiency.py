@@ -59,14 +59,16 @@ def matmul_efficiency(hw, m: int, n: int, k: int) -> float:
     eff = hw.matmul_efficiency
     if not hw.sm_count or min(m, n, k) <= 0:
         return eff
-    share = eff * min(1.0, _quantized(hw, m, n, k) / _reference(hw))
+    share = _analytic(hw, m, n, k)
     if hw.gemm_measured:
         share = min(1.0, share * _measured_ratio(hw, m, n, k))
     return share
 
 
-def _reference(hw) -> float:
-    return _quantized(hw, *hw.matmul_best_shape) if all(hw.matmul_best_shape) else 1.0
+def _analytic(hw, m: int, n: int, k: int) -> float:
+    """The achievable maximum times quantization, relative to the shape it was measured at."""
+    reference = _quantized(hw, *hw.matmul_best_shape) if all(hw.matmul_best_shape) else 1.0
+    return hw.matmul_efficiency * min(1.0, _quantized(hw, m, n, k) / reference)
 
 
 def _measured_ratio(hw, m: int, n: int, k: int) -> float:
@@ -100,14 +102,9 @@ _MEASURED: dict[tuple, tuple] = {}
 
 def _ratios(hw) -> tuple:
     """(log2 (M, N, K), log of measured / analytic share) of each measured shape."""
-    reference = _reference(hw)
-    tiles = tuple(map(tuple, hw.gemm_tiles))
-    out = []
-    for m, n, k, share in hw.gemm_measured:
-        analytic = hw.matmul_efficiency * min(
-            1.0, _quantize(hw.sm_count, tiles, hw.gemm_k_overhead, m, n, k) / reference)
-        out.append(((math.log2(m), math.log2(n), math.log2(k)), math.log(share / analytic)))
-    return tuple(out)
+    return tuple(((math.log2(m), math.log2(n), math.log2(k)),
+                  math.log(share / _analytic(hw, m, n, k)))
+                 for m, n, k, share in hw.gemm_measured)
 
 
 def _quantized(hw, m: int, n: int, k: int) -> float:

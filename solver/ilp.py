@@ -355,7 +355,7 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
     # optimum).
     options = "presolve = off"
 
-    def solved() -> Solution:
+    def run() -> Solution:
         with silenced_stdout():
             result = mip.solve(prog, backend, time_limit, gap, hint, options)
         elapsed = time.perf_counter() - start
@@ -392,9 +392,6 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
             if values[var] > 1e-9:
                 total = total.plus(sp, float(values[var]))
         return total
-
-    def run() -> Solution:
-        return solved()
 
     def refined(sol: Solution, binding: bool) -> Solution:
         """With overlap the solves above are relaxed: every side second hidden but the

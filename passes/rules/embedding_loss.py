@@ -11,6 +11,8 @@ sums its rows' losses and divides by the global count of counted targets.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -34,10 +36,7 @@ from .registry import (
 
 
 def _bytes(shape, dtype, itemsize) -> float:
-    n = 1
-    for d in shape:
-        n *= d
-    return float(n * itemsize(dtype))
+    return float(math.prod(shape) * itemsize(dtype))
 
 
 def _lookup_traffic(call: OpCall, in_local, out_local, itemsize) -> tuple[float, float]:
