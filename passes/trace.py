@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from . import fold as layer_fold
+from .forked import Forked, can_fork
 from .side_effects import SideEffectWatch
 from .torch_compat import (
     ASSERTION_OPS,
@@ -33,10 +34,13 @@ from .torch_compat import (
     grad_mode_region,
     is_higher_order,
     spec_child,
+    static_fake_mode,
     tree_leaves,
     tree_map,
     watch_checkpoints,
 )
+
+BESIDE_LAYERS = 16  # `trace(beside=True)` checks stacks this deep in a child process
 
 
 class TraceError(RuntimeError):
@@ -156,7 +160,8 @@ def output_loss(out, required: bool = True):
 def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=None, *,
           kwargs: dict | None = None, output_loss: bool | str = False,
           device: torch.device | None = None,
-          compute_dtype: torch.dtype | None = None, fold: bool = True) -> TracedProgram:
+          compute_dtype: torch.dtype | None = None, fold: bool = True,
+          beside: bool = False) -> TracedProgram:
     """Trace `model(*example_inputs, **kwargs)` and its loss: `loss_fn(output, example_target)`
     when `loss_fn` is given, the loss the model returns when `output_loss` (True: it must
     return one; "auto": when it does).
@@ -171,7 +176,11 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
 
     A stack of identical layers (`fold`, passes/fold.py) is exported cut to two layers and
     the second copied for the others, when a recorded run on fake tensors shows that this
-    gives the graph export would.
+    gives the graph export would. With `beside`, a stack of at least BESIDE_LAYERS layers is
+    checked in a forked child process while this one exports two layers and copies them
+    (passes/forked.py; on a CPU device, where the machine has a second core): the whole
+    model's record is most of a deep model's tracing time. When the check says the layers
+    differ, the whole model is exported instead.
 
     Raises TraceError naming the model's source line for data-dependent control flow and
     data-dependent shapes, for inputs that are not tensors, for a loss that is not one scalar
@@ -191,6 +200,8 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
         device = next((t.device for t in [*model.parameters(), *model.buffers()]
                        if t.device.type != "meta"), torch.device("cpu"))
     device = torch.device(device)
+    user_model, user_inputs, user_kwargs, user_target = \
+        model, example_inputs, kwargs, example_target
     mode = fake_mode()
     model = fake_copy(model, mode, device, compute_dtype)
     example_inputs = tuple(_fake(t, mode, device) for t in example_inputs)
@@ -205,22 +216,41 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
         if loss_fn is not None:
             args = (*example_inputs, example_target)
     watched = "" if root is not model else "model"
-    stack = _fold_stack(root, args, kwargs, mode, watched) if fold else None
-    restore = layer_fold.cut(root, stack) if stack is not None else None
+    stack = layer_fold.repeated_layers(root) if fold else None
+    check = None
+    if stack is not None:
+        verdict = functools.partial(_fold_verdict, root, stack, args, kwargs, device,
+                                    watched)
+        if beside and len(stack.children) >= BESIDE_LAYERS and device.type == "cpu" and \
+                can_fork():
+            check = Forked(verdict)  # the check runs beside the export of two layers
+        elif not verdict():
+            stack = None
     try:
-        with SideEffectWatch(root, prefix=watched) as watch, \
-                watch_checkpoints(_refuse_checkpoint):
-            ep = torch.export.export(root, args, kwargs, strict=False)
-    except TraceError:
-        raise
-    except Exception as e:  # noqa: BLE001 - rewrapped with the user's line
-        if isinstance(e.__cause__, TraceError):
-            raise e.__cause__ from None
-        raise TraceError(_explain_export_failure(e)) from e
+        try:
+            program = _program(_export(root, args, kwargs, watched, stack), root, model,
+                               loss_fn, stack, compute_dtype)
+        except TraceError:
+            if check is None or check.result():
+                raise
+            program = None  # two layers that differ, as the check says
+        else:
+            if check is not None and not check.result():
+                program = None
     finally:
-        if restore is not None:
-            restore()
-    _check_no_side_effects(watch.changes())
+        if check is not None:
+            check.cancel()
+    if program is None:  # the layers are not copies of each other: export them all
+        return trace(user_model, user_inputs, loss_fn, user_target, kwargs=user_kwargs,
+                     output_loss=output_loss, device=device, compute_dtype=compute_dtype,
+                     fold=False)
+    return program
+
+
+def _program(ep, root: nn.Module, model: nn.Module, loss_fn, stack: layer_fold.Stack | None,
+             compute_dtype: torch.dtype | None) -> TracedProgram:
+    """The traced program of `ep`, the export of `root` (`model`, or the _Step wrapping it),
+    cut to two layers of `stack` when given (copied here for the others)."""
     gm = ep.graph_module
     _check_static_shapes(gm)
     if loss_fn is not None:
@@ -288,12 +318,40 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
                          compute_dtype)
 
 
-def _fold_stack(root: nn.Module, args, kwargs, mode, prefix: str) -> layer_fold.Stack | None:
-    """The stack of identical layers to trace once (passes/fold.py), when the records of the
-    whole model and of the model cut to two layers say copying gives every layer; else None."""
-    stack = layer_fold.repeated_layers(root)
-    if stack is None:
-        return None
+def _export(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack | None):
+    """torch.export of `root` (cut to the stack's first two layers, when given), non-strict;
+    raises TraceError naming the model's line for what export cannot capture, and for
+    forward changing the model's Python state."""
+    restore = layer_fold.cut(root, stack) if stack is not None else None
+    try:
+        with SideEffectWatch(root, prefix=prefix) as watch, \
+                watch_checkpoints(_refuse_checkpoint):
+            ep = torch.export.export(root, args, kwargs, strict=False)
+    except TraceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - rewrapped with the user's line
+        if isinstance(e.__cause__, TraceError):
+            raise e.__cause__ from None
+        raise TraceError(_explain_export_failure(e)) from e
+    finally:
+        if restore is not None:
+            restore()
+    _check_no_side_effects(watch.changes())
+    return ep
+
+
+def _fold_verdict(root: nn.Module, stack: layer_fold.Stack, args, kwargs, device,
+                  prefix: str) -> bool:
+    """Whether the records of the whole model and of the model cut to two layers say that
+    copying layer 1 of the stack (passes/fold.py) gives every layer; raises TraceError when
+    forward changes the model's Python state.
+
+    The records run on a copy of `root` under a fake mode without a shape environment (ops
+    dispatch in about half the time; what needs one, such as a size read from a tensor's
+    values, fails the record and the model is exported whole)."""
+    mode = static_fake_mode()
+    root = fake_copy(root, mode, device)
+    args, kwargs = tree_map(lambda t: _fake(t, mode, device), (args, kwargs))
     with SideEffectWatch(root, prefix=prefix) as watch:  # forward may change state: say so here
         full = layer_fold.record(root, stack, args, kwargs, mode)
         restore = layer_fold.cut(root, stack)
@@ -303,7 +361,7 @@ def _fold_stack(root: nn.Module, args, kwargs, mode, prefix: str) -> layer_fold.
         finally:
             restore()
     _check_no_side_effects(watch.changes())
-    return stack if layer_fold.foldable(full, short) else None
+    return layer_fold.foldable(full, short)
 
 
 def _unfold(gm: fx.GraphModule, stack, ep, params: dict, buffers: dict, canonical: dict,

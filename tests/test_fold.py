@@ -2,6 +2,9 @@
 export gives for the whole model, models whose layers differ are traced whole, and folded models
 train exactly as on one device."""
 
+import os
+import time
+
 import pytest
 import torch
 import torch.fx as fx
@@ -10,7 +13,9 @@ from torch import nn
 
 from autopar import zoo
 from autopar.passes import fold
-from autopar.passes.trace import trace
+from autopar.passes import trace as trace_module
+from autopar.passes.forked import Forked, can_fork
+from autopar.passes.trace import TraceError, trace
 from tests import rank_tasks
 
 
@@ -161,3 +166,60 @@ def test_layers_that_differ_are_traced_whole(model_cls, folds):
                                         ("hf_llama_deep", "tensor")])
 def test_folded_models_train_as_on_one_device(world2, name, force):
     world2.run(rank_tasks.train_equivalence, name, (2,), force)
+
+
+class _SixthCounts(_Stack):
+    """Only the sixth layer's call changes Python state: the two-layer export cannot see it."""
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 5:
+                layer.calls = getattr(layer, "calls", 0) + 1
+        return x
+
+
+@pytest.mark.parametrize("model_cls,folds", [(_Sequential, True), (_ByIndex, False)])
+def test_the_check_beside_the_export_gives_the_same_trace(monkeypatch, model_cls, folds):
+    """With `beside` the whole model's record runs in a forked child while the tracer
+    exports two layers: the graph is the one the in-process check gives (for layers that
+    differ, the whole model exported after the child says so)."""
+    if not can_fork():
+        pytest.skip("needs os.fork and a second core")
+    monkeypatch.setattr(trace_module, "BESIDE_LAYERS", 4)
+    forked = []
+    monkeypatch.setattr(trace_module, "Forked",
+                        lambda fn: forked.append(1) or Forked(fn))
+    torch.manual_seed(0)
+    model = model_cls()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    here = trace(model, (x,), F.mse_loss, y)
+    there = trace(model, (x,), F.mse_loss, y, beside=True)
+    assert forked == [1]
+    assert there.folded == here.folded == ("layers" if folds else "")
+    assert _signature(there) == _signature(here)
+
+
+def test_a_side_effect_seen_beside_the_export_is_raised(monkeypatch):
+    if not can_fork():
+        pytest.skip("needs os.fork and a second core")
+    monkeypatch.setattr(trace_module, "BESIDE_LAYERS", 4)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(TraceError, match=r"model.layers.5.calls was set to 1"):
+        trace(_SixthCounts(), (x,), F.mse_loss, y, beside=True)
+
+
+def test_a_forked_call_returns_raises_and_falls_back():
+    if not can_fork():
+        pytest.skip("needs os.fork and a second core")
+    assert Forked(lambda: [1, 2]).result() == [1, 2]
+    with pytest.raises(ValueError, match="no"):
+        Forked(lambda: (_ for _ in ()).throw(ValueError("no"))).result()
+    parent = os.getpid()
+    # a child that dies without answering: the value is computed here
+    assert Forked(lambda: os.getpid() if os.getpid() == parent else os._exit(1)).result() \
+        == parent
+    assert Forked(lambda: lambda: None).result() is not None  # unpicklable: computed here
+    waiting = Forked(lambda: time.sleep(60))
+    waiting.cancel()
+    assert waiting.pid is None

@@ -1,0 +1,87 @@
+"""Run a function in a forked child process while this one goes on with other work.
+
+Tracing a deep model checks that its layers are copies of each other by running the whole
+model on fake tensors (passes/fold.py), and exports the model cut to two layers; the two do
+not depend on each other, so on a machine with a second core the check runs in a child
+forked from the tracer (sharing its fake model copy-on-write) while the tracer exports.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def can_fork() -> bool:
+    """Whether this process can fork a child worth forking: os.fork exists, another CPU core
+    can run it, and CUDA is not initialized (a forked child cannot use it)."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    return hasattr(os, "fork") and cores > 1 and not torch.cuda.is_initialized()
+
+
+class Forked:
+    """`fn()` computed in a forked child: `result()` waits for it and returns what it
+    returned, or raises what it raised. A child that dies without answering (killed, or an
+    answer that does not pickle) is not trusted: `result()` then computes `fn()` here."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+            stream.flush()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: answer, then leave without running the parent's exit hooks
+            os.close(read)
+            try:
+                answer = _pickled(fn)
+                with os.fdopen(write, "wb") as out:
+                    out.write(answer)
+            finally:
+                os._exit(0)
+        os.close(write)
+        self.pid, self.read = pid, read
+
+    def result(self) -> Any:
+        """What `fn()` returned in the child (raises what it raised)."""
+        with os.fdopen(self.read, "rb") as answer:
+            data = answer.read()
+        os.waitpid(self.pid, 0)
+        self.pid = None
+        if not data:
+            return self.fn()
+        ok, value = pickle.loads(data)
+        if ok:
+            return value
+        raise value
+
+    def cancel(self) -> None:
+        """Stop the child and forget its answer (the caller failed before it needed it)."""
+        if self.pid is None:
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(self.read)
+        os.waitpid(self.pid, 0)
+        self.pid = None
+
+
+def _pickled(fn: Callable[[], Any]) -> bytes:
+    """(True, fn()) or (False, the exception it raised), pickled; b"" when that does not
+    pickle."""
+    try:
+        answer = (True, fn())
+    except BaseException as e:  # noqa: BLE001 - re-raised in the parent
+        answer = (False, e)
+    try:
+        return pickle.dumps(answer)
+    except Exception:  # noqa: BLE001 - the parent computes it itself
+        return b""
