@@ -1,12 +1,18 @@
-"""The `autopar` command, each subcommand run as a user runs it: in a process of its own."""
+"""The `autopar` command: `plan` and `calibrate` run as a user runs them, in a process of their
+own (`python -m autopar.cli`, torchrun); the other checks call the same entry point,
+`autopar.cli.main`, in this process (a process each costs seconds of imports)."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import torch
 
+from autopar import cli
 from autopar.zoo import GPT, GPTConfig, lm_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,8 +29,23 @@ def tiny_gpt():
 
 
 def autopar(*args, check=True):
+    """`autopar ARGS` in a process of its own: returncode, stdout, stderr."""
     done = subprocess.run([sys.executable, "-m", "autopar.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def autopar_here(*args, check=True):
+    """`autopar ARGS` through `cli.main` in this process: returncode, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:  # argparse: --help, or arguments it rejects
+            code = e.code
+    done = SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
     if check:
         assert done.returncode == 0, done.stderr
     return done
@@ -53,17 +74,17 @@ def test_show_and_explain_a_saved_plan(tmp_path):
                    loss_fn=loss_fn)
     out = tmp_path / "plan.json"
     plan.save(str(out))
-    assert autopar("show", str(out)).stdout.strip() == str(plan)
-    assert "op group" in autopar("show", str(out), "--detail", "ops").stdout
-    explained = autopar("explain", str(out), "h.0.mlp.c_fc").stdout
+    assert autopar_here("show", str(out)).stdout.strip() == str(plan)
+    assert "op group" in autopar_here("show", str(out), "--detail", "ops").stdout
+    explained = autopar_here("explain", str(out), "h.0.mlp.c_fc").stdout
     assert "chosen" in explained and "h.0.mlp.c_fc.weight" in explained
-    missing = autopar("explain", str(out), "h.0.mlp.c_f", check=False)
+    missing = autopar_here("explain", str(out), "h.0.mlp.c_f", check=False)
     assert missing.returncode == 2 and "did you mean" in missing.stderr
 
 
 def test_plan_a_function_for_a_device_count(tmp_path):
-    done = autopar("plan", "tests.test_cli:tiny_gpt", "--devices", "4", "--hardware", "cpu",
-                   "--precision", "fp32", "-q")
+    done = autopar_here("plan", "tests.test_cli:tiny_gpt", "--devices", "4", "--hardware",
+                        "cpu", "--precision", "fp32", "-q")
     assert "meshes tried" in done.stdout and "h.0-1  x2" in done.stdout
 
 
@@ -80,11 +101,11 @@ def test_calibrate_under_torchrun_writes_a_profile(tmp_path):
 
 
 def test_calibrate_needs_torchrun():
-    assert "--output" in autopar("calibrate", "--help").stdout
-    done = autopar("calibrate", check=False)
+    assert "--output" in autopar_here("calibrate", "--help").stdout
+    done = autopar_here("calibrate", check=False)
     assert done.returncode == 2 and "torchrun" in done.stderr
 
 
 def test_bad_arguments_are_errors_naming_them():
-    done = autopar("plan", "gpt2", "--mesh", "8y8", check=False)
+    done = autopar_here("plan", "gpt2", "--mesh", "8y8", check=False)
     assert done.returncode == 2 and "--mesh '8y8'" in done.stderr
