@@ -68,14 +68,27 @@ def plan_steps(shape: Sequence[int], src: Placements, dst: Placements,
     src, dst = tuple(src), tuple(dst)
     if src == dst:
         return []
-    return list(_steps(tuple(shape), src, dst, tuple(mesh_shape)))
+    steps = _memoized(tuple(shape), src, dst, tuple(mesh_shape))
+    if isinstance(steps, ReshardError):
+        raise ReshardError(*steps.args)
+    return list(steps)
 
 
 @functools.lru_cache(maxsize=1 << 16)
+def _memoized(shape: tuple[int, ...], src: Placements, dst: Placements,
+              mesh_shape: tuple[int, ...]) -> tuple[Step, ...] | ReshardError:
+    """`_steps`, or the ReshardError it raises, memoized: pricing asks for the same few
+    thousand reshardings hundreds of thousands of times on a large model (repeated layers,
+    every candidate pair), a quarter of them impossible ones."""
+    try:
+        return _steps(shape, src, dst, mesh_shape)
+    except ReshardError as e:
+        return e
+
+
 def _steps(shape: tuple[int, ...], src: Placements, dst: Placements,
            mesh_shape: tuple[int, ...]) -> tuple[Step, ...]:
-    """`plan_steps`, memoized: pricing asks for the same few thousand reshardings hundreds of
-    thousands of times on a large model (repeated layers, every candidate pair)."""
+    """`plan_steps` for hashable arguments."""
     m = len(mesh_shape)
     for k in range(m):
         if is_partial(dst[k]) and not is_partial(src[k]):

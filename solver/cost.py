@@ -553,11 +553,11 @@ class CostModel:
             index = consumer.inputs[slot][1]
             dtype = producer.out_dtypes[index or 0]
             shape = consumer.in_shapes[slot]
-            whole = self.reshard_time(shape, dtype, src, dst,
-                                      producer.requires_grad and dtype.is_floating_point)
+            grad = producer.requires_grad and dtype.is_floating_point
+            whole = self.reshard_time(shape, dtype, src, dst, grad)
             if whole == INFEASIBLE:
                 return Split(INFEASIBLE, 0.0, 0.0, 0.0)
-            fwd = self.reshard_time(shape, dtype, src, dst, False)
+            fwd = self.reshard_time(shape, dtype, src, dst, False) if grad else whole
             again = fwd if self.recollected(graph, consumer, slot) else 0.0
             return Split(fwd, whole - fwd + again, 0.0, 0.0)
         try:
