@@ -18,9 +18,40 @@ P = Partial()
 Placements = tuple[Placement, ...]
 
 __all__ = [
-    "P", "Partial", "Placement", "Placements", "R", "Replicate", "Shard", "fmt", "is_partial",
-    "is_shard", "local_shape", "local_slices", "parse", "shard_dims", "shard_factor",
+    "P", "Partial", "Placement", "Placements", "R", "Replicate", "Shard", "as_tuple", "fmt",
+    "interned", "is_partial", "is_shard", "local_shape", "local_slices", "parse", "shard_dims",
+    "shard_factor",
 ]
+
+
+class _Interned(tuple):
+    """A placements tuple shared by every strategy that names it, its hash computed once:
+    PyTorch's placements hash in Python, and pricing a plan hashes them millions of times
+    (cache keys, placement-pair tables). Equal to, and hashing as, the plain tuple."""
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return interned, (tuple(self),)  # hashed again where it is unpickled
+
+
+_INTERNED: dict[tuple, _Interned] = {}
+
+
+def interned(placements: Placements) -> Placements:
+    """The one shared, hash-once instance of `placements` (see _Interned)."""
+    key = tuple(placements)
+    got = _INTERNED.get(key)
+    if got is None:
+        got = _INTERNED[key] = _Interned(key)
+        got._hash = hash(key)
+    return got
+
+
+def as_tuple(placements: Placements) -> Placements:
+    """`placements` as a tuple, itself when it is one (an interned tuple stays interned)."""
+    return placements if isinstance(placements, tuple) else tuple(placements)
 
 
 def is_shard(p: Placement, dim: int | None = None) -> bool:

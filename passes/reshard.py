@@ -20,7 +20,15 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopar.passes.placement import Placements, R, Replicate, Shard, is_partial, shard_dims
+from autopar.passes.placement import (
+    Placements,
+    R,
+    Replicate,
+    Shard,
+    as_tuple,
+    is_partial,
+    shard_dims,
+)
 
 # Collectives over many small tensors (gradient synchronization, FSDP parameter gathers) are
 # grouped into buckets of about this many bytes, as DDP does: one latency per bucket, and
@@ -65,8 +73,8 @@ class Step:
 def plan_steps(shape: Sequence[int], src: Placements, dst: Placements,
                mesh_shape: Sequence[int]) -> list[Step]:
     """The steps from `src` to `dst` for a tensor of global `shape` (a new list each call)."""
-    src, dst = tuple(src), tuple(dst)
-    if src == dst:
+    src, dst = as_tuple(src), as_tuple(dst)
+    if src is dst or src == dst:
         return []
     steps = _memoized(tuple(shape), src, dst, tuple(mesh_shape))
     if isinstance(steps, ReshardError):
@@ -163,7 +171,7 @@ def single_gather(shape: Sequence[int], src: Placements, dst: Placements,
     """The one all-gather that reshards `shape` from `src` to `dst`, when that is all the
     resharding does on mesh dimensions of more than one device (a parameter gathered whole
     from its storage shard for its use, FSDP's gather); else None."""
-    if tuple(src) == tuple(dst):
+    if as_tuple(src) == as_tuple(dst):
         return None
     try:
         steps = [s for s in plan_steps(shape, src, dst, mesh_shape) if mesh_shape[s.mesh_dim] > 1]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .placement import P, Placements, R, Shard, divisible, fmt
+from .placement import P, Placements, R, Shard, divisible, fmt, interned
 from .rules import RULES, OpCall, OpFacts, Rule1D, TensorArg, facts_of, replicate_all
 from .rules.registry import UNKNOWN
 from .torch_compat import tree_leaves, tree_map
@@ -275,6 +275,7 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
             replicated_only=_why_replicated(why, call) if kind == OP and all(
                 map(replicated, strategies)) else "")
     nodes = {k: v for k, v in nodes.items() if v is not None}
+    _intern(nodes)
     flat_out = [_resolve(a) if isinstance(a, fx.Node) else None
                 for a in tree_leaves(output_node.args[0])]
     loss = flat_out[-1] if program.has_loss else None
@@ -285,6 +286,19 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
                       stacklevel=2)
     return StrategyGraph(nodes, mesh_shape, loss, outputs, sorted(set(unsupported)),
                          program.compute_dtype)
+
+
+def _intern(nodes: dict[str, SNode]) -> None:
+    """Every strategy's placements interned (passes/placement.py `interned`), in place; nodes
+    that share one list of strategies keep sharing it."""
+    done: dict[int, tuple[list, list[Strategy]]] = {}  # id -> (the list, its interned one)
+    for v in nodes.values():
+        if id(v.strategies) not in done:
+            done[id(v.strategies)] = v.strategies, [Strategy(
+                tuple(interned(p) for p in s.inputs),
+                tuple(interned(o) for o in s.output) if v.multi_output else interned(s.output),
+                s.zero) for s in v.strategies]
+        v.strategies = done[id(v.strategies)][1]
 
 
 def _candidates(call: OpCall, mesh_shape: tuple[int, ...], in_shapes) -> list[Strategy]:

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from autopar.passes.placement import Placements, Replicate, fmt, local_shape
+from autopar.passes.placement import Placements, Replicate, as_tuple, fmt, local_shape
 from autopar.passes.recompute import NONE as NO_RECOMPUTE
 from autopar.passes.recompute import Recompute, saved_under_selective
 from autopar.passes.reshard import BUCKET_BYTES, ReshardError, Step, plan_steps, single_gather
@@ -199,7 +199,7 @@ class CostModel:
 
     def reshard_time(self, shape, dtype, src: Placements, dst: Placements, grad: bool) -> float:
         """Forward (+ backward dual when the tensor carries a gradient) seconds of an edge."""
-        return self._reshard(tuple(shape), dtype, tuple(src), tuple(dst), grad)
+        return self._reshard(tuple(shape), dtype, as_tuple(src), as_tuple(dst), grad)
 
     def _reshard_uncached(self, shape, dtype, src, dst, grad) -> float:
         if src == dst:
@@ -231,7 +231,7 @@ class CostModel:
         idx = consumer.inputs[slot][1]
         dtype = producer.out_dtypes[idx or 0]
         grad = producer.requires_grad and dtype.is_floating_point
-        if tuple(src) == tuple(dst):
+        if as_tuple(src) == as_tuple(dst):
             return []
         steps = [s for s in plan_steps(consumer.in_shapes[slot], src, dst, self.shape)
                  if self.shape[s.mesh_dim] > 1]
@@ -480,7 +480,7 @@ class CostModel:
         """Bytes per device autograd keeps of input `slot` of `consumer` when it is produced at
         `src` and consumed at `dst` (solver/memory.py)."""
         return self.activation_factor * mem.edge_saved_bytes(self, graph, consumer, slot,
-                                                             tuple(src), tuple(dst))
+                                                             as_tuple(src), as_tuple(dst))
 
     def gather_memory(self, graph: StrategyGraph, consumer: SNode, slot: int,
                       src: Placements, dst: Placements) -> float:

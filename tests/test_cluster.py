@@ -1,5 +1,7 @@
 """The cluster pass keeps the ILP small without changing what a plan costs."""
 
+import copy
+import pickle
 import re
 
 import pytest
@@ -110,3 +112,23 @@ def test_infeasible_clustering_is_not_blamed_on_memory():
     error = infeasible(graph, cost, 2**30, forced)
     assert re.search("memory is not the reason.*autopar bug", str(error)), error
     assert error.dominant is None  # so no gradient accumulation is tried for it
+
+
+def test_strategies_share_one_interned_tuple_per_placement():
+    """Equal placements of any two strategies are one object that hashes once (pricing hashes
+    them millions of times), equal to and hashing as the plain tuple, and stay so through a
+    pickle (a plan sent to another process)."""
+    torch.manual_seed(0)
+    model = TinyTransformer(TinyConfig(vocab=32, hidden=16, heads=4, kv_heads=2, depth=2, seq=8))
+    x = torch.randint(0, 32, (4, 8))
+    _, graph = _graph(model, x, x, lm_loss, (2, 2))
+    seen: dict[tuple, object] = {}
+    for v in graph.nodes.values():
+        for s in v.strategies:
+            for p in [*s.inputs, *(s.output if v.multi_output else (s.output,))]:
+                assert seen.setdefault(tuple(p), p) is p
+    plain = (Shard(0), Replicate())
+    shared = seen[plain]
+    assert shared == plain and hash(shared) == hash(plain) and {plain: 1}[shared] == 1
+    back = pickle.loads(pickle.dumps(shared))
+    assert back is shared and copy.deepcopy(shared) is shared
