@@ -126,7 +126,7 @@ def fake_mode():
 
 def static_fake_mode():
     """A fresh FakeTensorMode without a shape environment: static shapes only, and ops
-    dispatch in about half the time."""
+    dispatch in about 0.6 of the time."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()

@@ -347,7 +347,7 @@ def _fold_verdict(root: nn.Module, stack: layer_fold.Stack, args, kwargs, device
     forward changes the model's Python state.
 
     The records run on a copy of `root` under a fake mode without a shape environment (ops
-    dispatch in about half the time; what needs one, such as a size read from a tensor's
+    dispatch in about 0.6 of the time; what needs one, such as a size read from a tensor's
     values, fails the record and the model is exported whole)."""
     mode = static_fake_mode()
     root = fake_copy(root, mode, device)
