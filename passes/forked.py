@@ -29,7 +29,8 @@ def can_fork() -> bool:
 class Forked:
     """`fn()` computed in a forked child: `result()` waits for it and returns what it
     returned, or raises what it raised. A child that dies without answering (killed, or an
-    answer that does not pickle) is not trusted: `result()` then computes `fn()` here."""
+    answer that does not pickle or unpickle) is not trusted: `result()` then computes `fn()`
+    here."""
 
     def __init__(self, fn: Callable[[], Any]):
         self.fn = fn
@@ -54,9 +55,10 @@ class Forked:
             data = answer.read()
         os.waitpid(self.pid, 0)
         self.pid = None
-        if not data:
+        try:
+            ok, value = pickle.loads(data)
+        except Exception:  # noqa: BLE001 - no answer (b""), or one this process cannot rebuild
             return self.fn()
-        ok, value = pickle.loads(data)
         if ok:
             return value
         raise value

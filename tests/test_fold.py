@@ -209,6 +209,20 @@ def test_a_side_effect_seen_beside_the_export_is_raised(monkeypatch):
         trace(_SixthCounts(), (x,), F.mse_loss, y, beside=True)
 
 
+class _TwoArgumentError(Exception):
+    """Pickles (as its first argument) but does not unpickle (its class needs two)."""
+
+    def __init__(self, what, where):
+        super().__init__(what)
+        self.where = where
+
+
+def _raise_in_child_only(parent: int):
+    if os.getpid() != parent:
+        raise _TwoArgumentError("child", 1)
+    return "here"
+
+
 def test_a_forked_call_returns_raises_and_falls_back():
     if not can_fork():
         pytest.skip("needs os.fork and a second core")
@@ -220,6 +234,8 @@ def test_a_forked_call_returns_raises_and_falls_back():
     assert Forked(lambda: os.getpid() if os.getpid() == parent else os._exit(1)).result() \
         == parent
     assert Forked(lambda: lambda: None).result() is not None  # unpicklable: computed here
+    # an answer this process cannot rebuild: computed here
+    assert Forked(lambda: _raise_in_child_only(parent)).result() == "here"
     waiting = Forked(lambda: time.sleep(60))
     waiting.cancel()
     assert waiting.pid is None
