@@ -38,7 +38,9 @@ Sources of the built-in figures (vendor datasheets; dense, i.e. without 2:4 spar
   SDPA's flash backend runs, for profiles of older PyTorch. The A100 has no attention table
   here: its attention is priced as a GEMM at the MAMF share. Elementwise kernels reach about
   90% of the HBM datasheet bandwidth (STREAM-style copy benchmarks on A100 and H100; an
-  H200 copy measured here: 4.2 of 4.8 TB/s).
+  H200 copy measured here: 4.2 of 4.8 TB/s); on the H100 (and H200) a cast to a wider float
+  type reaches 0.51 of that and a kernel reading a broadcast operand 0.67 (PyTorch 2.11's
+  kernels, measured on an H200: autopar.measured.COPY_H200).
 - Overlap: on GPUs collectives run on their own CUDA streams beside compute (NCCL), so the
   ones the runtime issues ahead of need (FSDP gathers, gradient buckets) hide under compute;
   a gloo rank on a small CPU machine has no spare core for them (`overlap` False).
@@ -60,7 +62,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
 
-from .measured import GEMM_H200, SDPA_H200
+from .measured import BROADCAST_H200, GEMM_H200, SDPA_H200, WIDENING_H200
 
 GB = 1e9
 GiB = 2**30
@@ -125,6 +127,8 @@ class HardwareProfile:
     gemm_measured: tuple[tuple[int, int, int, float], ...] = ()  # (M, N, K, share) measured
     attention: dict = field(default_factory=dict)  # fused SDPA flop/s by kv length, per pass
     memory_efficiency: float = 1.0   # share of memory bandwidth elementwise kernels reach
+    widening_efficiency: float = 1.0  # share of that a cast to a wider float type reaches
+    broadcast_efficiency: float = 1.0  # share of that a kernel reading a broadcast operand reaches
     overlap: bool = False            # collectives run beside compute (their own stream)
     measured: dict = field(default_factory=dict, compare=False)  # calibration details
 
@@ -223,7 +227,8 @@ BUILTIN: dict[str, dict] = {
         "sm_count": 132, "gemm_tiles": GEMM_TILES, "gemm_k_overhead": 256,
         "gemm_measured": GEMM_H200,
         "attention": SDPA_H200,
-        "memory_efficiency": 0.9, "overlap": True,
+        "memory_efficiency": 0.9, "widening_efficiency": round(WIDENING_H200, 3),
+        "broadcast_efficiency": round(BROADCAST_H200, 3), "overlap": True,
     },
     "cpu": {
         "name": "cpu",

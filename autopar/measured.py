@@ -17,6 +17,13 @@ attention rates stand for the H100's too), PyTorch 2.11.0 with CUDA 13.0, bf16:
   FlashAttention-2, reached 290 / 296 TFLOP/s forward / backward at 8,192 tokens). No
   non-causal rate was measured: the table's "forward" repeats the causal one (a full mask
   reaches at least the causal rate per flop).
+- `COPY_H200`: GB/s (bytes read + written) of memory-bound kernels over 2^28 elements, the
+  faster of two medians of 10 (gpu_check's "timeline", session 16): a copy, a cast each way
+  and a product with a broadcast operand. A cast to a wider float type reaches about half of
+  a copy's bandwidth (PyTorch's cast kernel does not vectorize it; the narrowing cast does),
+  a product reading a broadcast operand two thirds (its loads are not vectorized either,
+  contiguous or strided). The H100 runs the same kernels: `widening_efficiency` and
+  `broadcast_efficiency` of its profile are these ratios.
 """
 
 from __future__ import annotations
@@ -56,3 +63,11 @@ SDPA_H200 = {
     "backward": ((1024, 319e12), (2048, 426e12), (4096, 459e12), (8192, 485e12),
                  (16384, 508e12)),
 }
+
+COPY_H200 = {
+    "copy bf16": 3957, "copy fp32": 4103, "cast bf16 -> fp32": 2076, "cast fp32 -> bf16": 4201,
+    "mul strided half x broadcast (fp32)": 2706, "mul contiguous x broadcast (fp32)": 2733,
+}
+# Shares of a same-dtype copy's bandwidth (the profile's memory_efficiency prices the copy).
+WIDENING_H200 = COPY_H200["cast bf16 -> fp32"] / COPY_H200["copy fp32"]
+BROADCAST_H200 = COPY_H200["mul contiguous x broadcast (fp32)"] / COPY_H200["copy fp32"]

@@ -456,6 +456,9 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
                     side["gradient_sync", "backward"] += t
                 collectives.append(Collective(kind, k, nbytes, t, "gradient sync",
                                               program.params[v.name]))
+            fwd, bwd = cost.compute_times(v, s)  # mixed precision's casts
+            compute += fwd + bwd
+            forward += fwd
             continue
         if v.kind == INPUT:
             continue

@@ -36,6 +36,11 @@ others still run.
 10. `layers` (not in the default list): torchtitan's 8B per-GPU step on one GPU,
    extrapolated from 4 and 8 layers under selective recomputation, with the default
    attention kernel and with FlashAttention-2.
+11. `timeline` (not in the default list): one forward + backward of the 8B-wide model with
+   four layers under `torch.profiler`, plain eager and autopar (bf16-mixed, selective
+   recomputation): kernel time by phase (forward, or the autograd function whose backward
+   ran it), aten op and input shapes, against the step's wall time; and the bandwidth of
+   casts and copies (`copy_rates`: what autopar/measured.py keeps as COPY_H200).
 """
 
 from __future__ import annotations
@@ -589,6 +594,109 @@ def layers_part(device, hw, small: bool) -> list[dict]:
     return rows
 
 
+# -- timeline -------------------------------------------------------------------------------------
+def _owner(event) -> str:
+    """The autograd function whose backward ran `event`, or "forward"."""
+    p = event.cpu_parent
+    while p is not None:
+        if p.name.startswith("autograd::engine::evaluate_function: "):
+            return p.name.split(": ", 1)[1]
+        p = p.cpu_parent
+    return "forward"
+
+
+def _kernel_table(step, device) -> dict:
+    """One profiled call of `step`: device time by (phase, aten op, input shapes), the sum of
+    the kernels' times and the call's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = device_sync(device)
+    for _ in range(2):
+        step()
+    sync()
+    wall = timed(step, device, 0, 3)
+    with profile(activities=acts, record_shapes=True) as prof:
+        step()
+        sync()
+    table, kernels, busy = {}, 0, 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            t = e.self_device_time_total if cuda else e.self_cpu_time_total
+            if t <= 0 or not e.name.startswith("aten::"):
+                continue
+            key = (_owner(e), e.name, str(e.input_shapes))
+            row = table.setdefault(key, [0, 0.0])
+            row[0] += 1
+            row[1] += t
+        elif cuda:
+            kernels += 1
+            busy += e.device_time if hasattr(e, "device_time") else e.cuda_time
+    rows = [{"phase": k[0], "op": k[1], "shapes": k[2], "count": v[0], "us": v[1]}
+            for k, v in sorted(table.items(), key=lambda kv: -kv[1][1])]
+    return {"wall_s": wall, "kernels": kernels, "kernel_us": busy,
+            "attributed_us": sum(r["us"] for r in rows), "rows": rows}
+
+
+def copy_rates(device, small: bool) -> dict:
+    """GB/s (bytes read + written) of casts and copies the cost model prices by their bytes,
+    over 2^28 elements: the faster of two medians of 10."""
+    n = 2**20 if small else 2**28
+    x16 = torch.randn(n, device=device, dtype=torch.bfloat16)
+    x32 = torch.randn(n, device=device, dtype=torch.float32)
+    wide = torch.randn(n // 128, 2, 64, device=device, dtype=torch.float32)
+    half = wide[:, 0]
+    cos = torch.randn(1, 64, device=device, dtype=torch.float32)
+    kv = torch.randn(n // 512, 1, 128, device=device, dtype=torch.bfloat16)
+    cases = {"copy bf16": (lambda: x16.clone(), 4 * n),
+             "copy fp32": (lambda: x32.clone(), 8 * n),
+             "cast bf16 -> fp32": (lambda: x16.float(), 6 * n),
+             "cast fp32 -> bf16": (lambda: x32.to(torch.bfloat16), 6 * n),
+             "mul strided half x broadcast (fp32)": (lambda: half * cos, 8 * n // 2),
+             "mul contiguous x broadcast (fp32)": (lambda: wide.view(-1, 64) * cos, 8 * n),
+             "repeat_interleave 4 (bf16)": (lambda: kv.repeat_interleave(4, dim=1),
+                                            2 * n // 4 + 2 * n)}
+    rates = {}
+    for name, (fn, nbytes) in cases.items():
+        t = min(timed(fn, device, 2, 10) for _ in range(2))
+        rates[name] = {"us": t * 1e6, "GBps": nbytes / t / 1e9}
+    print("\n## casts and copies\n\n| kernel | us | GB/s |\n|---|---|---|")
+    for k, v in rates.items():
+        print(f"| {k} | {v['us']:.1f} | {v['GBps']:.0f} |")
+    return rates
+
+
+def timeline_part(device, hw, small: bool) -> dict:
+    """Where a step's device time goes, by op and phase (torch.profiler): plain eager and
+    autopar under selective recomputation, the 8B-wide model with 4 layers; and the
+    bandwidth of casts and copies the cost model prices as one pass."""
+    from torch.distributed.device_mesh import init_device_mesh
+    out = {"bandwidth": copy_rates(device, small)}
+    ids = batch(small, device)
+    torch.manual_seed(0)
+    model = llama(4, small, device).to(torch.bfloat16)
+    out["eager"] = _kernel_table(eager_step(model, ids), device)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    init_world(device)
+    mesh = init_device_mesh(device.type, (1,))
+    pmodel = autopar.parallelize(llama(4, small), mesh, loss_fn=lm_loss,
+                                 precision="bf16-mixed", recompute="selective",
+                                 example_inputs=(ids, ids), progress=False, hardware=hw)
+    out["selective"] = _kernel_table(lambda: pmodel.step(ids, ids), device)
+    out["selective"]["predicted_s"] = pmodel.plan.cost.step_time
+    for name in ("eager", "selective"):
+        r = out[name]
+        print(f"\n## {name}: wall {r['wall_s'] * 1e3:.1f} ms, {r['kernels']} kernels "
+              f"{r['kernel_us'] / 1e3:.1f} ms, attributed {r['attributed_us'] / 1e3:.1f} ms\n")
+        print("| phase | op | shapes | count | ms |\n|---|---|---|---|---|")
+        for row in r["rows"][:45]:
+            print(f"| {row['phase']} | {row['op']} | {row['shapes'][:70]} | {row['count']} | "
+                  f"{row['us'] / 1e3:.3f} |")
+    return out
+
+
 def main() -> None:
     """Run the parts asked for, each on its own: a failing one prints its traceback."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -613,6 +721,7 @@ def main() -> None:
         "nccl": lambda: nccl_part(device, hw, a.small),
         "recompute": lambda: recompute_part(device, hw, a.small),
         "layers": lambda: layers_part(device, hw, a.small),
+        "timeline": lambda: timeline_part(device, hw, a.small),
     }
     results = {"profile": hw.name}
     for name in a.parts.split(","):

@@ -34,7 +34,7 @@ def candidate_cost(graph: StrategyGraph, cost: CostModel, choice: dict[str, Stra
     """Compute, collectives by kind, and memory of `v` under `s` (see the module docstring);
     None when some edge cannot be resharded."""
     comm: dict[str, float] = defaultdict(float)
-    compute = 0.0 if v.kind == PARAM else sum(cost.compute_times(v, s))
+    compute = sum(cost.compute_times(v, s))
     memory = cost.node_memory(v, s)
     if v.kind == PARAM:
         for *_, t in cost.grad_sync_steps(v, s.output, s.zero):

@@ -51,6 +51,7 @@ from . import memory as mem
 from .efficiency import attention_rate, matmul_efficiency, product_dims
 from .flops import backward_factor, drawn_elements, facts, is_view, op_flops
 from .specs import OptimizerSpec, Precision, numel, optimizer_spec, precision_spec
+from .traffic import accumulation_bytes, broadcasts, grad_kernels, kernel_bytes, widens
 
 ALGO_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -137,6 +138,7 @@ class CostModel:
         # microbatches a step accumulates gradients over (ZeRO-2 reduce-scatters each one's)
         self.accumulation = accumulation
         self._reshard = lru_cache(maxsize=None)(self._reshard_uncached)
+        self._node_kinds: dict[int, tuple[SNode, _Kinds]] = {}  # by node (see `_kinds`)
         self._edge_share: float | None = None
 
     def copy(self, **changes) -> CostModel:
@@ -318,13 +320,73 @@ class CostModel:
     def compute_times(self, node: SNode, strategy: Strategy) -> tuple[float, float]:
         """(forward, backward) seconds of `node` under `strategy`; backward is 0 for nodes that
         need no gradient. Backward includes the forward once more for an op recomputed in
-        backward (passes/recompute.py)."""
+        backward (passes/recompute.py), and the sums of its outputs' gradients when several
+        ops read them (solver/traffic.py). A parameter's are the casts of its float32 master
+        to the compute dtype and of its gradient back, under mixed precision."""
+        if node.kind == PARAM:
+            return self.master_cast_times(node, strategy.output)
         fwd, bwd = self._compute_times(node, strategy)
         mode = self.recompute.mode_of.get(node.name)
         if mode == "full" or mode == "selective" and not saved_under_selective(
                 node, facts(node).product):
             bwd += fwd
+        if bwd:
+            bwd += self.accumulation_time(node, strategy)
         return fwd, bwd
+
+    def master_cast_times(self, node: SNode, storage: Placements) -> tuple[float, float]:
+        """(forward, backward) seconds of a parameter's casts under mixed precision: its local
+        block of the float32 master to the compute dtype once per step (runtime/params.py), and
+        its gradient back (a widening cast); 0 without a master copy."""
+        master, compute = self.precision.master, self.precision.compute
+        dtype = node.out_dtypes[0]
+        if master is None or not dtype.is_floating_point or master == compute:
+            return 0.0, 0.0
+        n = numel(local_shape(node.out_shapes[0], storage, self.shape))
+        nbytes = n * (master.itemsize + compute.itemsize)
+        fwd = self.kernel_seconds(nbytes) + self.hw.launch
+        if not node.requires_grad:
+            return fwd, 0.0
+        return fwd, self.kernel_seconds(nbytes, widens=True) + self.hw.launch
+
+    def kernel_seconds(self, nbytes: float, widens: bool = False,
+                       broadcast: bool = False) -> float:
+        """Seconds of a memory-bound kernel moving `nbytes`: at the profile's bandwidth, at a
+        share of it for a cast to a wider float type or a broadcast operand
+        (autopar/hardware.py)."""
+        share = self.hw.memory_efficiency
+        if widens:
+            share *= self.hw.widening_efficiency
+        if broadcast:
+            share *= self.hw.broadcast_efficiency
+        return nbytes / (self.hw.memory_bandwidth * share)
+
+    def gradient_readers(self, name: str) -> tuple[int, ...]:
+        """How many ops send a gradient to each output of node `name` (autograd sums them:
+        `accumulation_time`); () without a graph."""
+        if self.graph is None:
+            return ()
+        readers = _graph_facts(self.graph).grad_readers
+        v = self.graph.nodes[name]
+        if not v.multi_output:
+            return (readers.get((name, None), 0),)
+        return tuple(readers.get((name, k), 0) for k in range(len(v.out_shapes)))
+
+    def accumulation_time(self, node: SNode, strategy: Strategy) -> float:
+        """Seconds autograd spends summing the gradients of `node`'s outputs that several ops
+        read (an addition per reader after the first)."""
+        if self.graph is None or node.kind != OP:
+            return 0.0
+        readers = _graph_facts(self.graph).grad_readers
+        total = 0.0
+        for k, (shape, dtype) in enumerate(zip(node.out_shapes, node.out_dtypes)):
+            n = readers.get((node.name, k if node.multi_output else None), 0)
+            if n > 1:
+                outs = strategy.output if node.multi_output else (strategy.output,)
+                nbytes = self.nbytes(local_shape(shape, outs[k], self.shape), dtype)
+                total += self.kernel_seconds(accumulation_bytes(n, nbytes)) + \
+                    (n - 1) * self.hw.launch
+        return total
 
     def _compute_times(self, node: SNode, strategy: Strategy) -> tuple[float, float]:
         if node.kind in (INPUT, PARAM):
@@ -337,23 +399,24 @@ class CostModel:
         in_local, out_local = self.local_shapes(node, strategy)
         flops = op_flops(node, in_local, out_local)
         view = is_view(node)
-        dtypes = [t.dtype for t in node.call.inputs] if node.call is not None else \
-            [node.out_dtypes[0]] * len(in_local)
+        f = facts(node)
+        kinds = self._kinds(node)
+        in_size, out_size = kinds.in_size, kinds.out_size
         nbytes = 0 if view else (
-            sum(self.nbytes(s, dt) for s, dt in zip(in_local, dtypes))
-            + sum(self.nbytes(s, dt) for s, dt in zip(out_local, node.out_dtypes)))
+            sum(numel(s) * k for s, k in zip(in_local, in_size))
+            + sum(numel(s) * k for s, k in zip(out_local, out_size)))
         dtype = self.dtype(node.out_dtypes[0] if node.out_dtypes else torch.float32)
         peak = self.hw.peak_flops(dtype)
         bandwidth = self.hw.memory_bandwidth * self.hw.memory_efficiency
-        moved = nbytes / bandwidth
-        traffic = facts(node).traffic
+        product = f.product
+        moved = self.kernel_seconds(nbytes, kinds.widens, kinds.broadcast)
+        traffic = f.traffic
         moved_back = None  # backward's bytes, for a kernel that does not move its tensors once
         if traffic is not None and not view:
             fwd_bytes, bwd_bytes = traffic(node.call, in_local, out_local,
                                            lambda dt: self.dtype(dt).itemsize)
             moved, moved_back = fwd_bytes / bandwidth, bwd_bytes / bandwidth
         launch = self.hw.view_launch if view else self.hw.launch
-        product = facts(node).product
         if product is not None:
             a, b = (in_local[i] for i in product)
             m, n, k = product_dims(a, b, out_local[0])
@@ -372,13 +435,41 @@ class CostModel:
             bwd = sum(max(2.0 * mm * nn * kk / (peak * matmul_efficiency(self.hw, mm, nn, kk)),
                           moved) for mm, nn, kk in g)
             return fwd, bwd + max(len(g), 1) * launch
-        if facts(node).kernel == "attention" and self.hw.attention:
+        if f.kernel == "attention" and self.hw.attention:
             bwd = self.kernel_time(node, flops, peak, in_local, backward=True)
             return fwd, max(bwd, moved * backward_factor(node)) + launch
-        if moved_back is not None:
-            return fwd, max(backward_factor(node) * self.kernel_time(node, flops, peak, in_local),
-                            moved_back) + launch
-        return fwd, backward_factor(node) * roof + launch
+        if moved_back is None:  # the kernels autograd runs (solver/traffic.py)
+            if not kinds.grad_kernels:  # the gradient handed on: the autograd node's host time
+                return fwd, launch
+            moved_back = sum(self.kernel_seconds(
+                kernel_bytes(k, in_local, out_local, in_size, out_size), k.widens, k.broadcast)
+                for k in kinds.grad_kernels)
+        return fwd, max(backward_factor(node) * self.kernel_time(node, flops, peak, in_local),
+                        moved_back) + launch
+
+    def _kinds(self, node: SNode) -> _Kinds:
+        """What pricing `node` needs of its dtypes and kernels whatever its placements
+        (computed once per node)."""
+        got = self._node_kinds.get(id(node))
+        if got is not None and got[0] is node:
+            return got[1]
+        f = facts(node)
+        dtypes = [t.dtype for t in node.call.inputs] if node.call is not None else \
+            [node.out_dtypes[0]] * len(node.in_shapes)
+        in_size = [self.dtype(dt).itemsize for dt in dtypes]
+        out_size = [self.dtype(dt).itemsize for dt in node.out_dtypes]
+        pointwise = f.product is None and not f.kernel and not f.view
+        out0 = node.out_shapes[0] if node.out_shapes else ()
+        got = _Kinds(
+            in_size, out_size,
+            widens=pointwise and bool(out_size) and any(
+                widens(k, out_size[0]) for k, dt in zip(in_size, dtypes)
+                if dt.is_floating_point),
+            broadcast=pointwise and any(broadcasts(s, out0) for s in node.in_shapes),
+            grad_kernels=grad_kernels(node, self.grad_inputs(node), in_size, out_size)
+            if node.kind == OP and f.product is None else ())
+        self._node_kinds[id(node)] = (node, got)
+        return got
 
     def kernel_time(self, node: SNode, flops: float, peak: float, in_local: list[tuple],
                     backward: bool = False) -> float:
@@ -495,7 +586,8 @@ class CostModel:
     def node_time(self, node: SNode, strategy: Strategy) -> float:
         """Compute plus (for parameters) gradient synchronization."""
         if node.kind == PARAM:
-            return self.grad_sync_time(node, strategy.output, strategy.zero)
+            return self.grad_sync_time(node, strategy.output, strategy.zero) + \
+                self.compute_time(node, strategy)
         return self.compute_time(node, strategy)
 
     def node_memory(self, node: SNode, strategy: Strategy) -> float:
@@ -524,11 +616,11 @@ class CostModel:
         return self._edge_share
 
     def node_split(self, node: SNode, strategy: Strategy) -> Split:
-        """`node_time` by where it runs (see Split): an op's compute on the critical path, a
-        parameter's gradient all-reduce or reduce-scatter beside backward (the runtime
-        launches each bucket when its gradients are complete: runtime/grad_sync.py,
-        runtime/zero.py); ZeRO's all-gather of the stepped shards runs before the next step,
-        on the critical path."""
+        """`node_time` by where it runs (see Split): an op's compute (a parameter's casts) on
+        the critical path, a parameter's gradient all-reduce or reduce-scatter beside
+        backward (the runtime launches each bucket when its gradients are complete:
+        runtime/grad_sync.py, runtime/zero.py); ZeRO's all-gather of the stepped shards runs
+        before the next step, on the critical path."""
         if node.kind == PARAM:
             side = crit = 0.0
             for kind, _, _, t in self.grad_sync_steps(node, strategy.output, strategy.zero):
@@ -536,7 +628,8 @@ class CostModel:
                     crit += t
                 else:
                     side += t
-            return Split(0.0, crit, 0.0, side)
+            fwd, bwd = self.compute_times(node, strategy)  # mixed precision's casts
+            return Split(fwd, crit + bwd, 0.0, side)
         fwd, bwd = self.compute_times(node, strategy)
         return Split(fwd, bwd, 0.0, 0.0)
 
@@ -581,9 +674,19 @@ class CostModel:
 
 
 @dataclass
+class _Kinds:
+    in_size: list[int]          # bytes per element of each input under the plan's precision
+    out_size: list[int]         # and of each output
+    widens: bool                # a pointwise op casting to a wider float type
+    broadcast: bool             # a pointwise op reading a broadcast operand
+    grad_kernels: tuple         # its backward's kernels (solver/traffic.py)
+
+
+@dataclass
 class _GraphFacts:
     consumers: Counter         # (producer, output index) -> number of ops consuming it
     param_share: dict          # parameter -> its share of all parameters' elements
+    grad_readers: Counter      # (producer, output index) -> ops sending it a gradient
 
 
 _FACTS: dict[int, tuple[StrategyGraph, _GraphFacts]] = {}
@@ -595,12 +698,17 @@ def _graph_facts(graph: StrategyGraph) -> _GraphFacts:
     if got is not None and got[0] is graph:
         return got[1]
     consumers: Counter = Counter()
+    grad_readers: Counter = Counter()
     for v in graph.nodes.values():
         for ref in v.inputs:
             consumers[ref] += 1
+            u = graph.nodes[ref[0]]
+            if v.requires_grad and v.kind == OP and u.requires_grad and \
+                    u.out_dtypes[ref[1] or 0].is_floating_point:
+                grad_readers[ref] += 1
     params = {n: numel(v.out_shapes[0]) for n, v in graph.nodes.items() if v.kind == PARAM}
     total = sum(params.values()) or 1
-    found = _GraphFacts(consumers, {n: k / total for n, k in params.items()})
+    found = _GraphFacts(consumers, {n: k / total for n, k in params.items()}, grad_readers)
     if len(_FACTS) > 64:
         _FACTS.clear()
     _FACTS[id(graph)] = (graph, found)

@@ -738,8 +738,9 @@ def _recompute_key(cost: CostModel, v: str) -> tuple:
 
 def _price_key(cost: CostModel, twin: dict[str, str] | None, v: str) -> tuple:
     """Nodes with one key have the same prices: twins (identical nodes of repeated layers,
-    `twin` maps a node to its earliest one) recomputed alike."""
-    return (twin.get(v, v) if twin else v, _recompute_key(cost, v))
+    `twin` maps a node to its earliest one) recomputed alike whose outputs as many ops read
+    (the last layer's output is read by fewer: autograd sums fewer gradients)."""
+    return (twin.get(v, v) if twin else v, _recompute_key(cost, v), cost.gradient_readers(v))
 
 
 def _add(costs: list[float], k: int, p: float) -> None:

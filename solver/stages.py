@@ -74,7 +74,7 @@ from autopar.passes.cluster import cluster
 from autopar.passes.placement import local_shape
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, Strategy, StrategyGraph
 
-from .cost import NO_TIME, CostModel, step_seconds
+from .cost import NO_TIME, CostModel, Split, step_seconds
 from .flops import is_view
 from .ilp import loss_sink_time, solve
 
@@ -506,6 +506,9 @@ def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> P
             out.grad_sync += cost.grad_sync_time(v, s.output, s.zero)
             for key, b in cost.param_memory_split(v, s.output, s.zero).items():
                 out.memory[key] = out.memory.get(key, 0.0) + b
+            fwd, bwd = cost.compute_times(v, s)  # mixed precision's casts
+            out.compute += fwd + bwd
+            total = total.plus(Split(fwd, bwd, 0.0, 0.0))
             continue
         if v.kind == INPUT:
             continue

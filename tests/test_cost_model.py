@@ -435,3 +435,78 @@ def test_cross_entropy_and_lookups_are_priced_by_the_bytes_they_move():
     rows = 8 * 64 * 64 * 4
     assert fwd == pytest.approx((2 * rows + 8 * 64 * 8) / bandwidth + hw.launch)
     assert bwd == pytest.approx((4 * 4096 * 64 * 4 + rows) / bandwidth + hw.launch)
+
+
+class _GatedBlock(torch.nn.Module):
+    """A norm read by two products, SiLU, a product of two activations, a residual sum, and a
+    cast to a wider float type."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.embed = torch.nn.Linear(dim, dim, bias=False)
+        self.norm = torch.nn.RMSNorm(dim)
+        self.gate = torch.nn.Linear(dim, dim, bias=False)
+        self.up = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        x = self.embed(x)
+        h = self.norm(x)
+        return (x + F.silu(self.gate(h)) * self.up(h)).to(torch.float64)
+
+
+def test_elementwise_backward_runs_the_kernels_autograd_runs():
+    """Backward moves what autograd's kernels move (solver/traffic.py), in units of one
+    activation T: SiLU reads the gradient and its input and writes the input's gradient (3T,
+    against 2T forward); a product of two activations runs one such kernel per operand (6T
+    against 3T); a sum hands the gradient on (no bytes); a fused norm writes the input's
+    gradient (3T) and reduces its weight's (2T); the norm's output, read by two products,
+    gets their gradients summed (3T). A cast to a wider float type runs at the profile's
+    widening share, and its backward (a narrowing cast) at full bandwidth."""
+    dim, n = 256, 64 * 64
+    model = _GatedBlock(dim)
+    x, y = torch.randn(n, dim), torch.randn(n, dim, dtype=torch.float64)
+    graph = strategies.build(trace_example(model, (x, y), F.mse_loss), (1,))
+    hw = autopar.H100
+    cost = CostModel(autopar.MeshSpec((1,), hardware=hw), graph=graph)
+    bandwidth = hw.memory_bandwidth * hw.memory_efficiency
+    t, w = n * dim * 4 / bandwidth, dim * 4 / bandwidth
+    launch = hw.launch
+    ops = {v.op.split(".")[0]: v for v in graph.nodes.values() if v.kind == "op"
+           and v.op != "linear.default"}
+
+    def times(op):
+        v = ops[op]
+        return cost.compute_times(v, v.strategies[0])
+
+    assert times("silu") == pytest.approx((2 * t + launch, 3 * t + launch))
+    assert times("mul") == pytest.approx((3 * t + launch, 6 * t + launch))
+    assert times("add") == pytest.approx((3 * t + launch, launch))
+    norm_fwd, norm_bwd = times("rms_norm")
+    assert norm_fwd == pytest.approx(2 * t + w + launch, rel=1e-3)  # + its flops at peak
+    assert norm_bwd == pytest.approx(5 * t + 3 * w + launch + 3 * t + launch, rel=1e-3)
+    cast = 3 * t  # float32 read, float64 written
+    assert times("to") == pytest.approx((cast / hw.widening_efficiency + launch,
+                                         cast + launch))
+    assert hw.widening_efficiency == pytest.approx(0.506, abs=1e-3)  # measured (autopar.measured)
+
+
+def test_mixed_precision_prices_the_master_weights_casts():
+    """Under bf16-mixed every rank casts its block of each float32 master weight to bf16 once
+    per step and autograd casts the gradient back (a widening cast): priced on the block the
+    rank stores, so sharding the storage over 2 ranks halves it; none without a master."""
+    model = MLP([512, 512, 512])
+    x, y = torch.randn(64, 512), torch.randint(0, 512, (64,))
+    graph = strategies.build(trace_example(model, (x, y), F.cross_entropy), (2,))
+    hw = autopar.H100
+    mesh = autopar.MeshSpec((2,), hardware=hw)
+    cost = CostModel(mesh, graph=graph, precision="bf16-mixed")
+    weight = next(v for v in graph.nodes.values() if v.kind == "param"
+                  and v.out_shapes[0] == (512, 512))
+    whole = next(s for s in weight.strategies if all(p.is_replicate() for p in s.output))
+    half = next(s for s in weight.strategies if s.output[0].is_shard())
+    moved = 512 * 512 * (4 + 2) / (hw.memory_bandwidth * hw.memory_efficiency)
+    assert cost.compute_times(weight, whole) == pytest.approx(
+        (moved + hw.launch, moved / hw.widening_efficiency + hw.launch))
+    assert cost.compute_times(weight, half) == pytest.approx(
+        (moved / 2 + hw.launch, moved / 2 / hw.widening_efficiency + hw.launch))
+    assert CostModel(mesh, graph=graph).compute_times(weight, whole) == (0.0, 0.0)

@@ -17,10 +17,10 @@ def _statistics(call: OpCall, in_local, out_local, itemsize) -> float:
 
 
 facts(aten.layer_norm.default, aten.rms_norm.default, aten.native_layer_norm.default,
-      flops_per_element=20.0, saves=SAVES_INPUTS, extra_saved=_statistics)
+      flops_per_element=20.0, saves=SAVES_INPUTS, extra_saved=_statistics, kernel="norm")
 facts(aten.group_norm.default, aten.native_group_norm.default, aten.batch_norm.default,
       aten._native_batch_norm_legit_functional.default, flops_per_element=20.0,
-      saves=SAVES_INPUTS)
+      saves=SAVES_INPUTS, kernel="norm")
 
 
 @register(aten.layer_norm.default, aten.rms_norm.default)

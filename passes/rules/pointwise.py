@@ -79,18 +79,23 @@ if hasattr(aten, "relu6"):
 # No gradient, or a gradient that needs nothing (constant, or linear in the input):
 facts(aten.logical_not.default, aten.sign.default, aten.floor.default, aten.ceil.default,
       aten.round.default, aten.bitwise_not.default, aten.gt.Scalar, aten.lt.Scalar,
-      aten.ge.Scalar, aten.le.Scalar, aten.eq.Scalar, aten.ne.Scalar, aten.add.Scalar,
-      aten.sub.Scalar, aten.rsub.Scalar, aten.remainder.Scalar, aten.fmod.Scalar,
-      aten.neg.default, aten.clone.default, aten.to.dtype, aten.to.dtype_layout,
-      aten.to.device, aten._to_copy.default, aten.contiguous.default, aten.mul.Scalar,
+      aten.ge.Scalar, aten.le.Scalar, aten.eq.Scalar, aten.ne.Scalar, aten.rsub.Scalar,
+      aten.remainder.Scalar, aten.fmod.Scalar, aten.neg.default, aten.to.dtype,
+      aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.mul.Scalar,
       aten.div.Scalar, aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor,
       aten.gt.Tensor, aten.ge.Tensor, aten.__and__.Tensor, aten.__or__.Tensor,
       aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
       aten.logical_or.default, aten.lerp.Scalar, aten.div.Tensor_mode, aten.remainder.Tensor,
-      aten.fmod.Tensor, *ADDITIVE, aten.zeros_like.default, aten.ones_like.default,
+      aten.fmod.Tensor, aten.zeros_like.default, aten.ones_like.default,
       aten.full_like.default, aten.fill.Scalar, aten.copy.default, aten.tril.default,
       aten.triu.default, aten.type_as.default, saves=SAVES_NOTHING)
-facts(aten.alias.default, aten.detach.default, view=True, saves=SAVES_NOTHING)
+# The gradient handed on as it is (a sum's operands, a copy's input); a difference negates
+# its second operand's in a kernel.
+facts(aten.add.Tensor, saves=SAVES_NOTHING, grad_passes=(0, 1))
+facts(aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.clone.default,
+      aten.contiguous.default, saves=SAVES_NOTHING, grad_passes=(0,))
+facts(aten.alias.default, aten.detach.default, view=True, saves=SAVES_NOTHING,
+      grad_passes=(0,))
 facts(aten.pow.Tensor_Tensor, saves=SAVES_INPUTS, saves_output=True,
       flops_per_element=TRANSCENDENTAL)
 facts(aten.maximum.default, aten.minimum.default, aten.addcmul.default, aten.addcdiv.default,

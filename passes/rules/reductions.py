@@ -58,9 +58,10 @@ def _reduction_rules(call: OpCall, linear: bool) -> list[Rule1D]:
     return rules
 
 
-facts(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
-      aten.any.dim, aten.all.dim, aten.argmax.default, aten.argmin.default,
-      aten.cumsum.default, saves=SAVES_NOTHING)
+facts(aten.mean.dim, aten.mean.default, aten.any.dim, aten.all.dim, aten.argmax.default,
+      aten.argmin.default, aten.cumsum.default, saves=SAVES_NOTHING)
+facts(aten.sum.dim_IntList, aten.sum.default, saves=SAVES_NOTHING,
+      grad_passes=(0,))  # a sum's gradient: the output's, expanded (a view)
 facts(aten.amax.default, aten.amin.default, aten.prod.dim_int, saves=SAVES_INPUTS,
       saves_output=True)
 facts(aten.var.correction, aten.std.correction, saves=SAVES_INPUTS)

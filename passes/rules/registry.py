@@ -26,8 +26,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 aten = torch.ops.aten
-__all__ = ["FACTS", "LOWERINGS", "RULES", "SAVES_DIVISOR", "SAVES_FIRST", "SAVES_INDICES",
-           "SAVES_INPUTS", "SAVES_NOTHING", "SAVES_OPERANDS", "SAVES_OUTPUT", "UNKNOWN",
+__all__ = ["FACTS", "LOWERINGS", "PASSES_ALL", "RULES", "SAVES_DIVISOR", "SAVES_FIRST",
+           "SAVES_INDICES", "SAVES_INPUTS", "SAVES_NOTHING", "SAVES_OPERANDS", "SAVES_OUTPUT",
+           "UNKNOWN",
            "LocalContext", "OpCall", "OpFacts", "P", "R", "Rule1D", "Shard", "TensorArg", "aten",
            "dedupe", "facts", "facts_of", "lowering", "norm_dim", "register", "replicate_all"]
 R = Replicate()
@@ -115,6 +116,8 @@ SAVES_NOTHING = "nothing"        # nothing (sums, views, copies, creation)
 SAVES_OPERANDS = "operands"      # a product: each operand whose partner needs a gradient
 SAVES_INDICES = "indices"        # the inputs after the first (index, gather: the indices)
 SAVES_DIVISOR = "divisor"        # the divisor, and the numerator when the divisor needs a grad
+# Inputs whose gradient is the output's own, or a view of it (`OpFacts.grad_passes`):
+PASSES_ALL = "all"
 
 
 @dataclass(frozen=True)
@@ -141,9 +144,13 @@ class OpFacts:
     whole table; a loss makes several passes over its input.
     `draws(call)`: random numbers it draws on every rank (the whole tensor, whatever the
     sharding).
-    `kernel`: the fused kernel family it runs on GPUs when its speed is not a GEMM's nor
-    bandwidth's ("attention": priced by the profile's attention table,
-    solver/efficiency.py)."""
+    `kernel`: the fused kernel family it runs on GPUs ("attention": priced by the profile's
+    attention table, solver/efficiency.py; "norm": one kernel per pass that reduces its
+    weight's gradient itself, solver/traffic.py).
+    `grad_passes`: the input slots (or PASSES_ALL) whose gradient autograd hands on without a
+    kernel: the output's gradient itself or a view of it (a sum's operands, a reshape's or a
+    concatenation's input). Every other input that needs a gradient gets a kernel of its own
+    in backward (solver/traffic.py)."""
 
     view: bool = False
     product: tuple[int, int] | None = None
@@ -157,6 +164,7 @@ class OpFacts:
     kernel: str = ""
     workspace: Callable | None = None
     traffic: Callable | None = None
+    grad_passes: tuple[int, ...] | str = ()
 
 
 UNKNOWN = OpFacts()  # an op no family states facts for: assume it keeps every input

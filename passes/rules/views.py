@@ -9,6 +9,7 @@ are linear, so Partial passes through. Ops that take a shape argument get it mad
 from __future__ import annotations
 
 from .registry import (
+    PASSES_ALL,
     SAVES_NOTHING,
     LocalContext,
     OpCall,
@@ -53,18 +54,23 @@ def dim_map_rules(call: OpCall, mapping: dict[int, int]) -> list[Rule1D]:
     return rules + [Rule1D((R,), R), Rule1D((P,), P)]
 
 
-# Views: no compute, no bytes of their own (a reshape of an expanded tensor copies it: the
-# memory model sees that from the graph).
+# Views: no compute, no bytes of their own in forward (a reshape of an expanded tensor copies
+# it: the memory model sees that from the graph). A reshape's or a transpose's gradient is a
+# view of the output's; the gradient of a part (split, slice, select) is written into a whole
+# tensor of the input's size, and an expansion's is summed, by a kernel.
 facts(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
       aten.flatten.using_ints, aten.unflatten.int, aten.transpose.int, aten.permute.default,
       aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-      aten.squeeze.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
-      aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default,
-      aten.narrow.default, aten.as_strided.default, aten.view_as.default,
-      aten.expand_as.default, view=True, saves=SAVES_NOTHING)
-# Copies that keep nothing for backward.
+      aten.squeeze.default, aten.view_as.default, view=True, saves=SAVES_NOTHING,
+      grad_passes=(0,))
+facts(aten.expand.default, aten.slice.Tensor, aten.select.int, aten.split.Tensor,
+      aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default, aten.narrow.default,
+      aten.as_strided.default, aten.expand_as.default, view=True, saves=SAVES_NOTHING)
+# Copies that keep nothing for backward: a concatenation's or a padding's gradient is a view
+# of the output's; a repetition's is summed, a roll's rolled back.
 facts(aten.cat.default, aten.stack.default, aten.constant_pad_nd.default, aten.pad.default,
-      aten.repeat.default, aten.repeat_interleave.self_int, aten.roll.default,
+      saves=SAVES_NOTHING, grad_passes=PASSES_ALL)
+facts(aten.repeat.default, aten.repeat_interleave.self_int, aten.roll.default,
       saves=SAVES_NOTHING)
 
 
