@@ -41,7 +41,7 @@ from autopar.solver.ilp import (
     random_choice,
     solve,
 )
-from autopar.solver.memory import memory_split
+from autopar.solver.memory import kept_once, memory_split
 
 from .collector import planning
 from .mesh import MeshSpec
@@ -446,6 +446,7 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
     comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0,
                               "all_to_all": 0.0, "gradient_sync": 0.0}
     memory = memory_split(graph, cost, choice)
+    memory["activations"] += kept_once(graph, cost, choice)
     side: dict[tuple[str, str], float] = defaultdict(float)  # (kind, pass): seconds beside
     for v in graph.nodes.values():
         s = choice[v.name]

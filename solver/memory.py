@@ -73,6 +73,7 @@ class Prices(Protocol):
     recompute: Recompute
     region_uses: Counter   # see region_input_uses
     accumulation: int      # microbatches a step accumulates gradients over
+    activation_factor: float  # microbatches in flight (pipeline stages)
 
     def dtype(self, dtype: torch.dtype) -> torch.dtype: ...
     def nbytes(self, shape, dtype: torch.dtype) -> int: ...
@@ -151,12 +152,14 @@ def workspace_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
 class Kept:
     """One tensor an op keeps for backward, as the graph sees it: the storage it lives in is
     its view root's (`scale` x its own elements; `held` when that is a parameter, user input
-    or constant), which `share` ops keep in all; `direct` ops keep this very tensor."""
+    or constant), which `share` ops keep in all; `direct` ops keep this very tensor; `root`:
+    that view root, (node, output index)."""
 
     share: int
     direct: int
     scale: float
     held: bool
+    root: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,7 @@ def node_infos(graph: StrategyGraph) -> dict[str, NodeInfo]:
         r = root_of(ref)
         rv, tv = graph.nodes[r[0]], graph.nodes[ref[0]]
         scale = math.prod(rv.out_shapes[r[1] or 0]) / max(1, math.prod(tv.out_shapes[ref[1] or 0]))
-        return Kept(uses[r], direct[ref], scale, rv.kind in (PARAM, INPUT, CONSTANT))
+        return Kept(uses[r], direct[ref], scale, rv.kind in (PARAM, INPUT, CONSTANT), r)
 
     out = {}
     for v in graph.nodes.values():
@@ -460,6 +463,54 @@ def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
         if not out[kind]:
             del out[kind]
     return out
+
+
+def kept_once(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]) -> float:
+    """What a complete assignment's kept tensors weigh counted once per storage, less what
+    the per-op shares count (`kept_bytes`, `kept_edge_bytes`: a tensor kept by k ops counts
+    1/k at each, exact when all k keep the same storage). Where some keep a tensor as
+    produced and others a collective's copy of it (one projection reading a norm's sharded
+    output, another its all-gather), each storage weighs its whole bytes: the reported memory
+    adds the difference (the ILP's memory row keeps the shares: it is linear in each op's
+    choice). Ops recomputed in backward are left as priced."""
+    if not cost.info:
+        return 0.0
+    whole: dict[tuple, float] = {}
+    shared = 0.0
+
+    def keep(key: tuple, nbytes: float) -> None:
+        whole[key] = max(whole.get(key, 0.0), nbytes)
+
+    for v in graph.nodes.values():
+        info = cost.info.get(v.name)
+        if v.kind != OP or not v.requires_grad or info is None or \
+                recomputed(cost, v) is not None:
+            continue
+        s = choice[v.name]
+        outs = s.output if v.multi_output else (s.output,)
+        for j, kept in enumerate(info.kept_outputs):
+            if kept is None or not kept.root:
+                continue
+            part = cost.nbytes(local_shape(v.out_shapes[j], outs[j], cost.shape),
+                               v.out_dtypes[j]) * kept.scale / kept.share
+            shared += part
+            keep(("root", kept.root), part * kept.share)  # the view root's storage
+        for slot, kept in enumerate(info.kept_inputs):
+            if kept is None or not kept.root:
+                continue
+            u, idx = v.inputs[slot]
+            src, dst = tuple(choice[u].out(idx)), tuple(s.inputs[slot])
+            if cost.regathered(graph, v, slot, src, dst):
+                continue
+            part = kept_edge_bytes(cost, graph, v, slot, src, dst)
+            if not part:
+                continue
+            shared += part
+            if _collective_output(cost, v.in_shapes[slot], src, dst) is not None:
+                keep(("moved", (u, idx), src, dst), part * kept.direct)  # the collective's
+            else:
+                keep(("root", kept.root), part * kept.share)
+    return cost.activation_factor * (sum(whole.values()) - shared)
 
 
 def in_flight(size: float, freed: bool) -> float:
