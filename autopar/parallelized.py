@@ -260,6 +260,13 @@ class Parallelized(nn.Module):
                 traces[m] = self._trace(microbatch(call, m), step, self.training)
             return traces[m]
 
+        # Every rank traces the model on the microbatches the plan will most likely take (the
+        # given plan's, else the options', else 1) before rank 0 plans, not after it: the
+        # ranks trace side by side instead of waiting for rank 0's planning in turn.
+        given = self._given_plan if self._store is None else None
+        first = given.accumulation if given is not None else (
+            self._options.microbatches if step and self._options.microbatches else 1)
+        self._agreed("tracing the model", lambda: trace_at(first))
         plan = self._plan_for(trace_at, batch_of(call), accumulate=bool(step))
         program = self._agreed("tracing the model", lambda: trace_at(plan.accumulation))
         spec = self._spec
