@@ -117,6 +117,9 @@ def _dims(mesh: MeshSpec) -> str:
     return f"dimensions {', '.join(dims[:-1])} and {dims[-1]}"
 
 
+RESOLVES = 3  # solves again when the exact kept memory is over the budget (see solve_plan)
+
+
 def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | None = None, *,
                storage: dict[str, Placements] | None = None,
                fold_layers: bool = True, recompute: str | None = None,
@@ -174,28 +177,39 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
            f"{sum(len(v.strategies) for v in graph.nodes.values())} candidate strategies, "
            f"{len(set(clusters.owner.values()))} decisions ({options.solver}, at most "
            f"{options.time_limit:g} s)")
-    try:
-        sol = solve(graph, cost, memory_budget=budget, backend=options.solver,
-                    time_limit=options.time_limit, forced=forced, discouraged=discouraged,
-                    clustering=clusters, unbounded_only=unbounded, fastest=fastest)
-    except NoFeasiblePlan as e:
-        if bounds is not None and e.bound is not None:
-            bounds.append(e.bound)
-        if unbounded:
-            raise
-        if not diagnose:
-            raise NoFeasiblePlan(str(e), "activations", True) from e
-        raise infeasible(graph, cost, budget, forced, clusters) from e
-    if bounds is not None and sol.bound is not None:
-        bounds.append(sol.bound)
-    choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
-    cost = cost.copy(reshard=resharding.choose(graph, cost, choice, budget,
-                                               mode if mode is not None else
-                                               (None if freed else False)))
-    plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
-                    options=options)
+    # The ILP's memory row counts a tensor kept by k ops as 1/k at each (linear in each
+    # choice); the plan's reported memory counts each kept storage once (solver/memory.py
+    # `kept_once`), more where some ops keep a tensor as produced and others a collective's
+    # copy of it. A plan over the budget by that count is solved again under the budget less
+    # the difference.
+    ilp_budget, priced = budget, cost
+    for _ in range(RESOLVES + 1):
+        try:
+            sol = solve(graph, priced, memory_budget=ilp_budget, backend=options.solver,
+                        time_limit=options.time_limit, forced=forced, discouraged=discouraged,
+                        clustering=clusters, unbounded_only=unbounded, fastest=fastest)
+        except NoFeasiblePlan as e:
+            if bounds is not None and e.bound is not None:
+                bounds.append(e.bound)
+            if unbounded:
+                raise
+            if not diagnose:
+                raise NoFeasiblePlan(str(e), "activations", True) from e
+            raise infeasible(graph, priced, budget, forced, clusters) from e
+        if bounds is not None and sol.bound is not None:
+            bounds.append(sol.bound)
+        choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
+        cost = priced.copy(reshard=resharding.choose(graph, priced, choice, ilp_budget,
+                                                     mode if mode is not None else
+                                                     (None if freed else False)))
+        plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
+                        options=options)
+        over = plan.cost.peak_memory - budget
+        if over <= budget * 1e-6:
+            break
+        ilp_budget -= over
     if plan.cost.peak_memory > budget * (1 + 1e-6):
-        # the ILP's memory row bounds the exact peak from above: only the solver's numerics
+        # the re-solves bring the exact peak within the budget: only the solver's numerics
         # can break this, and a plan over the budget must never reach the user as fitting
         raise RuntimeError(
             f"autopar: the {options.solver} solver returned a plan of "

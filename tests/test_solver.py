@@ -122,7 +122,10 @@ def test_memory_budget_holds_at_gpu_scale():
     """A Llama-3-8B-shaped model (2 layers, 8 x 4096 tokens) on an (8, 8) H100 mesh under a
     2 GiB budget: the plan's peak is within it. With the memory row in bytes (coefficients
     up to 1e10) HiGHS's tolerances let it return a plan of 5.2 GiB, 3.4x slower, as optimal.
-    (Half a GiB of the smallest peak, 1.62 GiB, is the loss's backward buffers.)"""
+    (Half a GiB of the smallest peak, 1.62 GiB, is the loss's backward buffers.) The first
+    plan the ILP finds (0.102 s) keeps 2.09 GiB counted once per storage (its memory row
+    counts 2.0: some ops keep a tensor as produced, others a collective's copy): solved again
+    under 1.91 GiB, 0.165 s at 1.92 GiB."""
     from autopar.options import PlanOptions
     from autopar.planner import solve_plan
     from autopar.zoo import hf_llama, lm_loss
@@ -137,5 +140,5 @@ def test_memory_budget_holds_at_gpu_scale():
                          autopar.MeshSpec((8, 8), hardware="h100"),
                          PlanOptions(memory_budget=budget), recompute="none", reshard=True)
     assert plan.cost.peak_memory <= budget
-    # 0.101 s (the fastest plan, 7.9 GiB: 0.075 s)
-    assert plan.cost.step_time < 0.11
+    # 0.165 s (the fastest plan, 7.9 GiB: 0.075 s)
+    assert plan.cost.step_time < 0.17
