@@ -1,12 +1,13 @@
 """Bytes a memory-bound op moves in backward, from how autograd computes its gradients.
 
-For an op that is neither a product nor a fused kernel (elementwise ops, norms, casts, copies and
-views), backward runs one kernel per input that needs a gradient, unless the op hands the output's
-gradient on as it is (`OpFacts.grad_passes`: a sum's operands, a reshape's or a concatenation's
-input). That kernel reads the output's gradient and what autograd kept for that input's formula
-(`OpFacts.saves`: a product's partner operand, an activation's input, a norm's input), and writes
-the input's gradient; an input that was broadcast gets its gradient at the output's size first,
-then summed down to its own (one more write and read of an output-sized tensor). A tensor that
+For an op that is neither a matrix product nor attention (elementwise ops, norms, casts, copies
+and views), backward runs one kernel per input that needs a gradient, unless the op hands the
+output's gradient on as it is (`OpFacts.grad_passes`: a sum's operands, a reshape's or a
+concatenation's input). That kernel reads the output's gradient and what autograd kept for that
+input's formula (`OpFacts.saves`: a product's partner operand, an activation's input, a norm's
+input), and writes the input's gradient; an elementwise op's input that was broadcast gets its
+gradient at the output's size first, then summed down to its own (one more write and read of an
+output-sized tensor; a fused norm reduces its weight's gradient in its own kernel). A tensor that
 several ops read gets one gradient from each, summed by autograd: one addition per extra reader
 (`accumulation_bytes`).
 
@@ -14,9 +15,9 @@ Measured on an H200 with PyTorch 2.11 (benchmarks/gpu_check.py, "timeline"; each
 backward's kernel time over the forward's in one profiled eager step of Llama-3 at 8B width):
 a product of two activations 2.0 (two kernels of three passes against one of three), SiLU 1.5
 (three passes against two), a fused RMS norm 2.6 (the input's gradient, three passes, and the
-weight's, two, against two), a sum 0 (no kernel), a split's 1.0 (a concatenation), a cast 1.0
-(the cast back), and 12 additions per four layers summing the gradients of the tensors several
-ops read (1% of the step).
+weight's, two, against two), a sum 0 (no kernel), a cast 1.0 (the cast back); a split (a view
+forward) concatenates its parts' gradients; and 12 additions per four layers sum the gradients
+of the tensors several ops read (1% of the step).
 
 A kernel casting to a wider float type, and one reading a broadcast operand, run at a share of
 the copy bandwidth on GPUs (`HardwareProfile.widening_efficiency`, `broadcast_efficiency`):
