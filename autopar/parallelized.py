@@ -263,7 +263,7 @@ class Parallelized(nn.Module):
         # Every rank traces the model on the microbatches the plan will most likely take (the
         # given plan's, else the options', else 1) before rank 0 plans, not after it: the
         # ranks trace side by side instead of waiting for rank 0's planning in turn.
-        given = self._given_plan if self._store is None else None
+        given = self._plan_given()
         first = given.accumulation if given is not None else (
             self._options.microbatches if step and self._options.microbatches else 1)
         self._agreed("tracing the model", lambda: trace_at(first))
@@ -323,7 +323,7 @@ class Parallelized(nn.Module):
         plan at the first build, else solved on rank 0 (with the parameters where they are
         stored, after the first build; with gradient accumulation when the batch must be cut
         to fit) and broadcast; every rank checks that all hold the same."""
-        given = self._given_plan if self._store is None else None
+        given = self._plan_given()
         storage = self._store.placements if self._store is not None else None
         zero = self._store.zero_stages() if self._store is not None else None
 
@@ -336,6 +336,11 @@ class Parallelized(nn.Module):
         plan = self._agreed("planning", solve, on_rank0=given is None)
         self._check_same_plan(plan)
         return plan
+
+    def _plan_given(self) -> Plan | None:
+        """The plan passed to parallelize, at the first build (later builds plan with the
+        parameters where they are stored)."""
+        return self._given_plan if self._store is None else None
 
     def _check_same_plan(self, plan: Plan) -> None:
         """Every rank holds `plan` (compared by hash), or every rank raises

@@ -363,11 +363,11 @@ class CostModel:
 
     def gradient_readers(self, name: str) -> tuple[int, ...]:
         """How many ops send a gradient to each output of node `name` (autograd sums them:
-        `accumulation_time`); () without a graph."""
-        if self.graph is None:
+        `accumulation_time`); () for a node not in the cost model's graph."""
+        v = self.graph.nodes.get(name) if self.graph is not None else None
+        if v is None:
             return ()
         readers = _graph_facts(self.graph).grad_readers
-        v = self.graph.nodes[name]
         if not v.multi_output:
             return (readers.get((name, None), 0),)
         return tuple(readers.get((name, k), 0) for k in range(len(v.out_shapes)))
@@ -377,11 +377,10 @@ class CostModel:
         read (an addition per reader after the first)."""
         if self.graph is None or node.kind != OP:
             return 0.0
-        readers = _graph_facts(self.graph).grad_readers
         total = 0.0
-        for k, (shape, dtype) in enumerate(zip(node.out_shapes, node.out_dtypes)):
-            n = readers.get((node.name, k if node.multi_output else None), 0)
+        for k, n in enumerate(self.gradient_readers(node.name)):
             if n > 1:
+                shape, dtype = node.out_shapes[k], node.out_dtypes[k]
                 outs = strategy.output if node.multi_output else (strategy.output,)
                 nbytes = self.nbytes(local_shape(shape, outs[k], self.shape), dtype)
                 total += self.kernel_seconds(accumulation_bytes(n, nbytes)) + \

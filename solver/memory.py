@@ -288,12 +288,18 @@ def kept_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
     info = cost.info.get(node.name)
     total = 0.0
     if saves_output(node):
-        outs = strategy.output if node.multi_output else (strategy.output,)
-        for j, (shape, p, dtype) in enumerate(zip(node.out_shapes, outs, node.out_dtypes)):
+        for j in range(len(node.out_shapes)):
             kept = info.kept_outputs[j] if info is not None else Kept(1, 1, 1.0, False)
-            total += cost.nbytes(local_shape(shape, p, cost.shape), dtype) * kept.scale / \
-                kept.share
+            total += _kept_output_bytes(cost, node, strategy, j, kept)
     return total + extra_saved_bytes(cost, node, strategy)
+
+
+def _kept_output_bytes(cost: Prices, node: SNode, strategy: Strategy, j: int,
+                       kept: Kept) -> float:
+    """Output `j`'s share of the storage it is kept in (1/`share` of its view root)."""
+    p = strategy.output[j] if node.multi_output else strategy.output
+    return cost.nbytes(local_shape(node.out_shapes[j], p, cost.shape), node.out_dtypes[j]) * \
+        kept.scale / kept.share
 
 
 def edge_saved_bytes(cost: Prices, graph: StrategyGraph, consumer: SNode, slot: int,
@@ -487,16 +493,14 @@ def kept_once(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]) -
                 recomputed(cost, v) is not None:
             continue
         s = choice[v.name]
-        outs = s.output if v.multi_output else (s.output,)
         for j, kept in enumerate(info.kept_outputs):
-            if kept is None or not kept.root:
+            if kept is None:
                 continue
-            part = cost.nbytes(local_shape(v.out_shapes[j], outs[j], cost.shape),
-                               v.out_dtypes[j]) * kept.scale / kept.share
+            part = _kept_output_bytes(cost, v, s, j, kept)
             shared += part
             keep(("root", kept.root), part * kept.share)  # the view root's storage
         for slot, kept in enumerate(info.kept_inputs):
-            if kept is None or not kept.root:
+            if kept is None:
                 continue
             u, idx = v.inputs[slot]
             src, dst = tuple(choice[u].out(idx)), tuple(s.inputs[slot])
