@@ -54,6 +54,12 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=Non
     call = on_meta(split_call(example_inputs, dict(example_kwargs or {}),
                               with_target=loss_fn is not None))
     traces: dict[int, object] = {}
+    # A deep model's check that its layers are copies (passes/trace.py `beside`) runs in a
+    # forked child while this process plans from the trace of two layers copied; the plan is
+    # returned (or its error raised) once every check holds. Not for a mesh search, whose
+    # workers trace for themselves.
+    pending: list | None = None if isinstance(mesh, Cluster) else []
+    whole = []  # set when a check failed: trace every layer
 
     report = Progress(options.progress)
 
@@ -62,8 +68,8 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=Non
             report("tracing the model" + (f" at 1/{m} of the batch" if m > 1 else ""))
             part = microbatch(call, m)
             traces[m] = trace(model, part.args, loss_fn, part.target, kwargs=dict(part.kwargs),
-                              output_loss="auto", device=device,
-                              compute_dtype=dtype, beside=True)
+                              output_loss="auto", device=device, compute_dtype=dtype,
+                              fold=not whole, beside=True, deferred=pending)
         return traces[m]
 
     pipeline_trace = pipeline_tracer(model, example_inputs, loss_fn, device, dtype=dtype)
@@ -80,7 +86,35 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=Non
         return search_mesh(mesh, plan_on, options)
     if not isinstance(mesh, MeshSpec):
         mesh = MeshSpec.from_device_mesh(mesh)
+    try:
+        try:
+            result = plan_on(mesh)
+        except Exception:
+            if _layers_are_copies(pending):
+                raise
+        else:
+            if _layers_are_copies(pending):
+                return result
+    finally:
+        for check in pending:  # interrupted: stop the children
+            check.cancel()
+    # a stack whose layers are not copies (the check's verdict): plan from every layer traced
+    report("the model's repeated layers differ: tracing every layer")
+    traces.clear()
+    whole.append(True)
     return plan_on(mesh)
+
+
+def _layers_are_copies(pending: list) -> bool:
+    """Waits for the layer checks still running beside the planning (passes/trace.py
+    `deferred`): whether every one says its stack's layers are copies; raises what a check
+    raised (forward changing the model's state). Empties `pending`."""
+    try:
+        return all([check.result() for check in pending])  # a list: every child answers
+    finally:
+        for check in pending:
+            check.cancel()
+        pending.clear()
 
 
 def parallelize(model: nn.Module, mesh=None, *, loss_fn=None, example_inputs=None,

@@ -161,7 +161,7 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
           kwargs: dict | None = None, output_loss: bool | str = False,
           device: torch.device | None = None,
           compute_dtype: torch.dtype | None = None, fold: bool = True,
-          beside: bool = False) -> TracedProgram:
+          beside: bool = False, deferred: list[Forked] | None = None) -> TracedProgram:
     """Trace `model(*example_inputs, **kwargs)` and its loss: `loss_fn(output, example_target)`
     when `loss_fn` is given, the loss the model returns when `output_loss` (True: it must
     return one; "auto": when it does).
@@ -180,7 +180,10 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
     checked in a forked child process while this one exports two layers and copies them
     (passes/forked.py; on a CPU device, where the machine has a second core): the whole
     model's record is most of a deep model's tracing time. When the check says the layers
-    differ, the whole model is exported instead.
+    differ, the whole model is exported instead. With `deferred` (a list) as well, the check
+    still running when the two layers are exported is appended to it instead of waited for:
+    the program returned is then valid only if its `result()` is True (layers that differ:
+    trace again with `fold=False`), and the caller must call `result()` or `cancel()` on it.
 
     Raises TraceError naming the model's source line for data-dependent control flow and
     data-dependent shapes, for inputs that are not tensors, for a loss that is not one scalar
@@ -235,7 +238,10 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
                 raise
             program = None  # two layers that differ, as the check says
         else:
-            if check is not None and not check.result():
+            if check is not None and deferred is not None:
+                deferred.append(check)  # the caller waits for it
+                check = None
+            elif check is not None and not check.result():
                 program = None
     finally:
         if check is not None:

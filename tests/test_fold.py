@@ -11,7 +11,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from autopar import zoo
+import autopar
+from autopar import api, zoo
 from autopar.passes import fold
 from autopar.passes import trace as trace_module
 from autopar.passes.forked import Forked, can_fork
@@ -207,6 +208,69 @@ def test_a_side_effect_seen_beside_the_export_is_raised(monkeypatch):
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     with pytest.raises(TraceError, match=r"model.layers.5.calls was set to 1"):
         trace(_SixthCounts(), (x,), F.mse_loss, y, beside=True)
+
+
+class _FifthLayer(_Layer):
+    def forward(self, x):
+        x = self.fc(x)
+        return torch.tanh(x) if self.index == 4 else F.relu(x)
+
+
+class _FifthDiffers(_ByIndex):
+    """Only the fifth layer differs: two layers export and copy without complaint, only the
+    whole model's record tells."""
+
+    def __init__(self, n=6):
+        super().__init__(n)
+        self.layers = nn.ModuleList([_FifthLayer(i) for i in range(n)])
+
+
+def _plan_counting_traces(monkeypatch, model, folds: list, **kw):
+    """autopar.plan of `model` on a (2,) CPU mesh, appending the `fold` argument of every
+    trace it makes to `folds`."""
+    traced = api.trace
+    monkeypatch.setattr(api, "trace", lambda *a, **k: folds.append(k["fold"]) or traced(*a, **k))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    return autopar.plan(model, autopar.MeshSpec((2,)), (x, y), loss_fn=F.mse_loss, **kw)
+
+
+@pytest.mark.parametrize("model_cls,folds", [(_Sequential, [True]),
+                                              (_FifthDiffers, [True, False])])
+def test_plan_waits_for_the_check_beside_the_planning(monkeypatch, model_cls, folds):
+    """autopar.plan plans from the two layers copied while the check runs, and returns that
+    plan only when the check says the layers are copies; layers that differ are planned
+    again from every layer traced: the plan the in-process check gives."""
+    if not can_fork():
+        pytest.skip("needs os.fork and a second core")
+    monkeypatch.setattr(trace_module, "BESIDE_LAYERS", 4)
+    torch.manual_seed(0)
+    model = model_cls()
+    traced = []
+    plan = _plan_counting_traces(monkeypatch, model, traced)
+    assert traced == folds
+    monkeypatch.setattr(trace_module, "BESIDE_LAYERS", 100)  # checked in this process
+    alone = _plan_counting_traces(monkeypatch, model, [])
+    assert plan.hash() == alone.hash()
+
+
+def test_plan_raises_the_planning_error_of_the_whole_trace(monkeypatch):
+    """A plan that fails on the copied layers is not the user's error until the check says
+    they are copies: layers that differ raise what planning every layer raises."""
+    if not can_fork():
+        pytest.skip("needs os.fork and a second core")
+    monkeypatch.setattr(trace_module, "BESIDE_LAYERS", 4)
+    traced = []
+    with pytest.raises(autopar.NoFeasiblePlan):
+        _plan_counting_traces(monkeypatch, _FifthDiffers(), traced, memory_budget=1.0)
+    assert traced == [True, False]
+
+
+def test_a_side_effect_seen_beside_the_planning_is_raised(monkeypatch):
+    if not can_fork():
+        pytest.skip("needs os.fork and a second core")
+    monkeypatch.setattr(trace_module, "BESIDE_LAYERS", 4)
+    with pytest.raises(TraceError, match=r"model.layers.5.calls was set to 1"):
+        _plan_counting_traces(monkeypatch, _SixthCounts(), [])
 
 
 class _TwoArgumentError(Exception):
