@@ -172,7 +172,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     forced, discouraged = allowed_strategies(graph, styles)
     for n, ks in kept.items():
         forced[n] = sorted(set(ks) & set(forced.get(n, ks))) or ks
-    clusters = cluster(graph, program.graph_module, fold_layers=fold_layers and not kept)
+    clusters = clustered(program, graph, fold_layers and not kept)
     report(f"solving: {len(graph.nodes)} nodes, "
            f"{sum(len(v.strategies) for v in graph.nodes.values())} candidate strategies, "
            f"{len(set(clusters.owner.values()))} decisions ({options.solver}, at most "
@@ -237,7 +237,9 @@ def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
         program.strategy_graphs[key] = strat_pass.build(program, mesh.shape, placed, zero=True)
     graph = program.strategy_graphs[key]
     mode = recompute or options.recompute or "none"
-    r = recompute_plan(program, graph, mode, keep_user=options.recompute != "none") \
+    keep_user = options.recompute != "none"
+    r = derived(program, ("recompute", id(graph), mode, keep_user),
+                lambda: recompute_plan(program, graph, mode, keep_user=keep_user)) \
         if program.has_loss else NO_RECOMPUTE
     cost = CostModel(mesh, options.optimizer, options.bucket_bytes, graph=graph,
                      precision=options.precision, recompute=r, reshard=frozenset(
@@ -247,6 +249,24 @@ def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
     if options.profile not in (None, False):
         cost = cost.copy(measured=profiler(options.profile).measure(graph, cost))
     return graph, cost
+
+
+def derived(program: TracedProgram, key: tuple, make):
+    """`make()` once per `key` for the strategy graph `program` holds: what the levels of a
+    search derive alike from it (its clustering, each recomputation mode's plan), kept beside
+    it in `program.strategy_graphs` until another mesh's graph replaces it. `key` names the
+    graph by id (the graph lives as long as the entry)."""
+    cache = program.strategy_graphs
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def clustered(program: TracedProgram, graph: StrategyGraph, fold_layers: bool = True):
+    """passes/cluster.py `cluster` of `graph`, a strategy graph of `program`, once per
+    graph."""
+    return derived(program, ("cluster", id(graph), fold_layers),
+                   lambda: cluster(graph, program.graph_module, fold_layers=fold_layers))
 
 
 def frees_after_forward(options: PlanOptions, reshard: bool) -> bool:
@@ -357,8 +377,7 @@ def level_floor(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
     """Seconds of compute per microbatch below which no plan of `program` recomputing
     `recompute` goes (solver/ilp.py `compute_floor`)."""
     graph, cost = priced_level(program, mesh, options, recompute)
-    clusters = cluster(graph, program.graph_module)
-    return compute_floor(graph, cost, clusters.twin)
+    return compute_floor(graph, cost, clustered(program, graph).twin)
 
 
 # A level of the memory search (parameters freed after forward, recomputation) is not solved

@@ -255,3 +255,23 @@ def test_planner_skips_recomputation_that_cannot_beat_a_plan_that_fits(monkeypat
             assert tried == expect
         else:
             assert "selective" in tried  # memory binds: the next level is tried
+
+
+def test_levels_of_a_search_cluster_and_plan_recomputation_once(monkeypatch):
+    """The levels of the memory search share one strategy graph: its clustering and each
+    recomputation mode's plan are worked out once, however many levels are solved."""
+    none = _plan(recompute="none")
+    clustered, planned, tried = [], [], []
+    cluster, recompute_plan, solve_plan = planner.cluster, planner.recompute_plan, \
+        planner.solve_plan
+    monkeypatch.setattr(planner, "cluster", lambda *a, **k: clustered.append(1) or
+                        cluster(*a, **k))
+    monkeypatch.setattr(planner, "recompute_plan", lambda p, g, mode, **k:
+                        planned.append(mode) or recompute_plan(p, g, mode, **k))
+    monkeypatch.setattr(planner, "solve_plan", lambda *a, **k: tried.append(k["recompute"])
+                        or solve_plan(*a, **k))
+    monkeypatch.setattr(planner, "LEVEL_GAP", -1.0)  # every level solved
+    _plan(memory_budget=none.cost.peak_memory * 1.05, microbatches=1)
+    assert len(tried) >= 3 and len(set(tried)) == 3
+    assert len(clustered) == 1
+    assert sorted(planned) == ["full", "none", "selective"]
