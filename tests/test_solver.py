@@ -125,7 +125,8 @@ def test_memory_budget_holds_at_gpu_scale():
     (Half a GiB of the smallest peak, 1.62 GiB, is the loss's backward buffers.) The first
     plan the ILP finds (0.102 s) keeps 2.09 GiB counted once per storage (its memory row
     counts 2.0: some ops keep a tensor as produced, others a collective's copy): solved again
-    under 1.91 GiB, 0.165 s at 1.92 GiB."""
+    under the budget less half the difference, 0.103 s at 1.98 GiB (less all of it: 0.165 s
+    at 1.92 GiB)."""
     from autopar.options import PlanOptions
     from autopar.planner import solve_plan
     from autopar.zoo import hf_llama, lm_loss
@@ -140,5 +141,5 @@ def test_memory_budget_holds_at_gpu_scale():
                          autopar.MeshSpec((8, 8), hardware="h100"),
                          PlanOptions(memory_budget=budget), recompute="none", reshard=True)
     assert plan.cost.peak_memory <= budget
-    # 0.165 s (the fastest plan, 7.9 GiB: 0.075 s)
-    assert plan.cost.step_time < 0.17
+    # 0.103 s (the fastest plan, 7.9 GiB: 0.075 s)
+    assert plan.cost.step_time < 0.11
