@@ -3,7 +3,8 @@
 Tracing a deep model checks that its layers are copies of each other by running the whole
 model on fake tensors (passes/fold.py), and exports the model cut to two layers; the two do
 not depend on each other, so on a machine with a second core the check runs in a child
-forked from the tracer (sharing its fake model copy-on-write) while the tracer exports.
+forked from the tracer (sharing its fake model copy-on-write) while the tracer exports (and,
+in `autopar.plan`, plans from the copied layers: the plan is kept only if the check holds).
 """
 
 from __future__ import annotations
