@@ -186,7 +186,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     # 8B-shaped layer pair on (8, 8) under 2 GiB: 0.165 s at 1.92 GiB against 0.103 s at
     # 1.98 GiB).
     ilp_budget, priced = budget, cost
-    for _ in range(RESOLVES + 1):
+    for attempt in range(RESOLVES + 1):
         try:
             sol = solve(graph, priced, memory_budget=ilp_budget, backend=options.solver,
                         time_limit=options.time_limit, forced=forced, discouraged=discouraged,
@@ -210,7 +210,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
         over = plan.cost.peak_memory - budget
         if over <= budget * 1e-6:
             break
-        ilp_budget -= over * (0.5 if ilp_budget == budget else 1.0)
+        ilp_budget -= over / 2 if attempt == 0 else over
     if plan.cost.peak_memory > budget * (1 + 1e-6):
         # the re-solves bring the exact peak within the budget: only the solver's numerics
         # can break this, and a plan over the budget must never reach the user as fitting
