@@ -38,6 +38,7 @@ from autopar.solver.ilp import (
     loss_sink_time,
     plan_split,
     plan_time,
+    priced_problem,
     random_choice,
     solve,
 )
@@ -185,12 +186,17 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     # the plan's own, and a budget cut by all of it can rule out faster plans that fit (an
     # 8B-shaped layer pair on (8, 8) under 2 GiB: 0.165 s at 1.92 GiB against 0.103 s at
     # 1.98 GiB).
+    # The re-solves reuse the prices, and the plan without the budget (`fastest`) of the
+    # first solve.
     ilp_budget, priced = budget, cost
+    problem = priced_problem(graph, priced, clusters, forced, discouraged)
+    fastest = fastest if fastest is not None else []
     for attempt in range(RESOLVES + 1):
         try:
             sol = solve(graph, priced, memory_budget=ilp_budget, backend=options.solver,
                         time_limit=options.time_limit, forced=forced, discouraged=discouraged,
-                        clustering=clusters, unbounded_only=unbounded, fastest=fastest)
+                        clustering=clusters, unbounded_only=unbounded, fastest=fastest,
+                        problem=problem)
         except NoFeasiblePlan as e:
             if bounds is not None and e.bound is not None:
                 bounds.append(e.bound)

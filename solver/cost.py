@@ -406,7 +406,6 @@ class CostModel:
             + sum(numel(s) * k for s, k in zip(out_local, out_size)))
         dtype = self.dtype(node.out_dtypes[0] if node.out_dtypes else torch.float32)
         peak = self.hw.peak_flops(dtype)
-        bandwidth = self.hw.memory_bandwidth * self.hw.memory_efficiency
         product = f.product
         moved = self.kernel_seconds(nbytes, kinds.widens, kinds.broadcast)
         traffic = f.traffic
@@ -414,7 +413,7 @@ class CostModel:
         if traffic is not None and not view:
             fwd_bytes, bwd_bytes = traffic(node.call, in_local, out_local,
                                            lambda dt: self.dtype(dt).itemsize)
-            moved, moved_back = fwd_bytes / bandwidth, bwd_bytes / bandwidth
+            moved, moved_back = self.kernel_seconds(fwd_bytes), self.kernel_seconds(bwd_bytes)
         launch = self.hw.view_launch if view else self.hw.launch
         if product is not None:
             a, b = (in_local[i] for i in product)

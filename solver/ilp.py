@@ -239,7 +239,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
           discouraged: dict[str, list[int]] | None = None,
           clustering: Clustering | None = None, minimize: str = "time",
           unbounded_only: bool = False, exact_overlap: bool = False,
-          fastest: list[dict[str, int]] | None = None) -> Solution:
+          fastest: list[dict[str, int]] | None = None, problem=None) -> Solution:
     """Solve the intra-op ILP. `forced` restricts nodes to the listed strategy indices;
     `discouraged` strategies carry a penalty of PENALTY seconds each (reported objectives
     exclude it); `clustering` (passes.cluster) says which nodes share decisions.
@@ -260,14 +260,18 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     search (the same graph, each level adding work or freeing memory): this solve appends
     its own, and when the last one does not fit at this problem's prices either, the budget
     is taken to bind and solved under at once (the same plan comes out; only the solve
-    without it, and the bound it gives, are skipped)."""
+    without it, and the bound it gives, are skipped).
+
+    `problem`: the ILP's prices for these graph, cost, clustering, forced and discouraged
+    (`priced_problem`), to solve them again under another budget without pricing again."""
     if minimize not in ("time", "memory"):
         raise ValueError(f"minimize must be 'time' or 'memory', not {minimize!r}")
     backend = backend.upper()
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend}; choose from {BACKENDS}")
     c = clustering or identity(graph)
-    problem = _owner_problem(graph, cost, c, forced, discouraged)
+    if problem is None:
+        problem = _owner_problem(graph, cost, c, forced, discouraged)
     binds = bool(fastest) and not unbounded_only and memory_budget is not None and \
         minimize == "time" and plan_memory(graph, cost, fastest[-1]) > memory_budget
     return _solve(graph, cost, problem, c, memory_budget, backend, time_limit, gap, forced,
@@ -621,6 +625,14 @@ class _OwnerProblem:
     # with overlap (cost.overlap): node_cost and edge prices by where they run (cost.Split)
     node_split: dict[str, list[Split]] | None = None
     edge_split: list[dict] | None = None
+
+
+def priced_problem(graph: StrategyGraph, cost: CostModel, clustering: Clustering | None = None,
+                   forced: dict[str, list[int]] | None = None,
+                   discouraged: dict[str, list[int]] | None = None) -> _OwnerProblem:
+    """The ILP's prices (`solve`'s `problem`): every owner's and edge block's seconds and
+    bytes, priced once for solves under several budgets."""
+    return _owner_problem(graph, cost, clustering or identity(graph), forced, discouraged)
 
 
 def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,

@@ -118,7 +118,7 @@ def test_time_limit_without_a_plan_falls_back_to_greedy(monkeypatch):
     assert plan_time(graph, cost, sol.choice) == pytest.approx(sol.objective, rel=1e-6)
 
 
-def test_memory_budget_holds_at_gpu_scale():
+def test_memory_budget_holds_at_gpu_scale(monkeypatch):
     """A Llama-3-8B-shaped model (2 layers, 8 x 4096 tokens) on an (8, 8) H100 mesh under a
     2 GiB budget: the plan's peak is within it. With the memory row in bytes (coefficients
     up to 1e10) HiGHS's tolerances let it return a plan of 5.2 GiB, 3.4x slower, as optimal.
@@ -126,10 +126,17 @@ def test_memory_budget_holds_at_gpu_scale():
     plan the ILP finds (0.102 s) keeps 2.09 GiB counted once per storage (its memory row
     counts 2.0: some ops keep a tensor as produced, others a collective's copy): solved again
     under the budget less half the difference, 0.103 s at 1.98 GiB (less all of it: 0.165 s
-    at 1.92 GiB)."""
+    at 1.92 GiB). The re-solve reuses the first solve's prices."""
+    from autopar import planner
     from autopar.options import PlanOptions
     from autopar.planner import solve_plan
+    from autopar.solver import ilp
     from autopar.zoo import hf_llama, lm_loss
+
+    priced, solves = [], []
+    owner_problem, solve = ilp._owner_problem, planner.solve
+    monkeypatch.setattr(ilp, "_owner_problem", lambda *a: priced.append(1) or owner_problem(*a))
+    monkeypatch.setattr(planner, "solve", lambda *a, **k: solves.append(1) or solve(*a, **k))
 
     with torch.device("meta"):
         model = hf_llama(num_hidden_layers=2, vocab_size=128256, max_position_embeddings=8192,
@@ -141,5 +148,6 @@ def test_memory_budget_holds_at_gpu_scale():
                          autopar.MeshSpec((8, 8), hardware="h100"),
                          PlanOptions(memory_budget=budget), recompute="none", reshard=True)
     assert plan.cost.peak_memory <= budget
+    assert len(solves) >= 2 and len(priced) == 1
     # 0.103 s (the fastest plan, 7.9 GiB: 0.075 s)
     assert plan.cost.step_time < 0.11
