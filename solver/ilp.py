@@ -90,9 +90,10 @@ class Solution:
     status: str
     num_variables: int
     num_constraints: int
-    # Seconds no plan of the problem steps faster than, whatever the budget: the optimum
-    # without the budget, relaxed where collectives overlap (every side second hidden but
-    # the unhidden share; within the tie-break's 0.1% of side seconds). None where unknown
+    # Seconds no plan of the problem steps faster than, whatever the budget: the solver's
+    # proven bound on the optimum without the budget, relaxed where collectives overlap
+    # (every side second hidden but the unhidden share; within the tie-break's 0.1% of side
+    # seconds). None where unknown
     # (penalized strategies, a solve stopped by its time limit).
     bound: float | None = None
     # With overlap: the plan's prices summed by where they run (cost.Split), as solved.
@@ -384,11 +385,13 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
             value = step_seconds(total, True, edge)[0]
         elif discouraged and not by_memory:
             value -= PENALTY * sum(1 for n, ks in discouraged.items() if choice[n] in ks)
-        objective_value[0] = result.objective
+        objective_value[0] = result.objective if result.bound is None else result.bound
         return Solution(choice, value, elapsed, backend, result.status,
                         prog.num_variables, prog.num_constraints, split=total)
 
-    objective_value = [0.0]  # the solver's objective of the last solve (scaled)
+    # the solver's bound on the optimum of the last solve (scaled; its objective where it
+    # reports none): with a relative gap its plan may be that much above the optimum
+    objective_value = [0.0]
 
     def chosen(values) -> Split:  # the prices of the solution, summed by where they run
         total = NO_TIME
