@@ -201,9 +201,8 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
         try:
             sol = solve(graph, priced, memory_budget=ilp_budget, backend=options.solver,
                         time_limit=options.time_limit, gap=PLAN_GAP, forced=forced,
-                        discouraged=discouraged,
-                        clustering=clusters, unbounded_only=unbounded, fastest=fastest,
-                        problem=problem)
+                        discouraged=discouraged, clustering=clusters,
+                        unbounded_only=unbounded, fastest=fastest, problem=problem)
         except NoFeasiblePlan as e:
             if bounds is not None and e.bound is not None:
                 bounds.append(e.bound)

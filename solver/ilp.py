@@ -93,8 +93,7 @@ class Solution:
     # Seconds no plan of the problem steps faster than, whatever the budget: the solver's
     # proven bound on the optimum without the budget, relaxed where collectives overlap
     # (every side second hidden but the unhidden share; within the tie-break's 0.1% of side
-    # seconds). None where unknown
-    # (penalized strategies, a solve stopped by its time limit).
+    # seconds). None where unknown (penalized strategies, a solve stopped by its time limit).
     bound: float | None = None
     # With overlap: the plan's prices summed by where they run (cost.Split), as solved.
     split: Split | None = None
@@ -385,13 +384,13 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
             value = step_seconds(total, True, edge)[0]
         elif discouraged and not by_memory:
             value -= PENALTY * sum(1 for n, ks in discouraged.items() if choice[n] in ks)
-        objective_value[0] = result.objective if result.bound is None else result.bound
+        solver_bound[0] = result.objective if result.bound is None else result.bound
         return Solution(choice, value, elapsed, backend, result.status,
                         prog.num_variables, prog.num_constraints, split=total)
 
     # the solver's bound on the optimum of the last solve (scaled; its objective where it
     # reports none): with a relative gap its plan may be that much above the optimum
-    objective_value = [0.0]
+    solver_bound = [0.0]
 
     def chosen(values) -> Split:  # the prices of the solution, summed by where they run
         total = NO_TIME
@@ -462,7 +461,7 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
         if sol is None or by_memory or discouraged or exact_overlap or \
                 side_share is not None or sol.status != "optimal":
             return None
-        return objective_value[0] / scale
+        return solver_bound[0] / scale
 
     def bounded(sol: Solution | None, bound: float | None) -> Solution | None:
         return sol if sol is None else dataclasses.replace(sol, bound=bound)
