@@ -665,6 +665,9 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
                 if overlap:
                     node_split[o][k] = node_split[o][k].plus(t_split[v][j])
             memory[o][k] += node_memory[tw][j]
+    # An owner strategy ruled out (by `forced`, or unable to run) is never chosen: its edges'
+    # placements become RULED_OUT and are not priced (most of the pricing of a forced plan).
+    live = {o: [p != INFEASIBLE for p in costs] for o, costs in node_cost.items()}
     groups: dict[tuple, list] = {}  # edges between the same twins: [edge, count, twins' keys]
     bucket_of = use_groups(graph, cost.bucket_bytes)
     for e in edges(graph):
@@ -680,11 +683,13 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
     for e, count, in_buckets in groups.values():
         u, v = graph.nodes[e.producer], graph.nodes[e.consumer]
         ou, ov = c.owner[u.name], c.owner[v.name]
-        a_of = [u.strategies[j].out(e.out_index) for j in c.index[u.name]]
-        b_of = [v.strategies[j].inputs[e.slot] for j in c.index[v.name]]
+        a_of = _live([u.strategies[j].out(e.out_index) for j in c.index[u.name]], live[ou])
+        b_of = _live([v.strategies[j].inputs[e.slot] for j in c.index[v.name]], live[ov])
 
         def priced(a, b, v=v, e=e, count=count) -> tuple[float, Split]:
             """The price and (with overlap) the price by where it runs."""
+            if a is RULED_OUT or b is RULED_OUT:
+                return INFEASIBLE, NO_TIME
             if not overlap:
                 p = cost.edge_time(graph, v, e.slot, a, b)
                 return (p if p == INFEASIBLE else p * count), NO_TIME
@@ -693,9 +698,13 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
             return (p if p == INFEASIBLE else p * count), NO_TIME.plus(sp, count)
 
         def kept(a, b, v=v, e=e, count=count):  # bytes autograd keeps of the edge's tensor
+            if a is RULED_OUT or b is RULED_OUT:
+                return 0.0
             return cost.edge_memory(graph, v, e.slot, a, b) * count
 
         def held(a, b, v=v, e=e):  # FSDP gathers in flight, one twin's (its bucket's share)
+            if a is RULED_OUT or b is RULED_OUT:
+                return 0.0
             return cost.gather_memory(graph, v, e.slot, a, b)
 
         def bucketed(term, in_buckets=in_buckets):
@@ -712,7 +721,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
             if in_buckets:
                 bucketed(("x", ou, {k: held(a, b) for k, (a, b) in enumerate(zip(a_of, b_of))}))
             continue
-        a_cls, b_cls = _classes(a_of), _classes(b_of)
+        a_cls, b_cls = _classes(a_of, live_only=True), _classes(b_of, live_only=True)
         if len(a_cls) == 1 or len(b_cls) == 1:  # one side fixed: a cost per strategy
             owner = ov if len(a_cls) == 1 else ou
             gathers = {}
@@ -780,9 +789,29 @@ def _merge_blocks(blocks: list) -> tuple[list, list[int]]:
     return out, merged_at
 
 
-def _classes(placements) -> dict:
-    """Strategy indices grouped by placement, in first-seen order."""
+def _classes(placements, live_only: bool = False) -> dict:
+    """Strategy indices grouped by placement, in first-seen order (with `live_only`, not
+    those RULED_OUT)."""
     out: dict = defaultdict(list)
     for k, p in enumerate(placements):
-        out[p].append(k)
+        if not (live_only and p is RULED_OUT):
+            out[p].append(k)
     return dict(out)
+
+
+class _RuledOut:
+    """The placement of an edge at an owner strategy the solver can never choose."""
+
+    def __repr__(self) -> str:
+        return "RULED_OUT"
+
+
+RULED_OUT = _RuledOut()
+
+
+def _live(placements: list, live: list[bool]) -> list:
+    """`placements` (one per owner strategy) with those of ruled-out strategies RULED_OUT;
+    as they are when every strategy is ruled out (the solver then reports the owner)."""
+    if not any(live):
+        return placements
+    return [p if ok else RULED_OUT for p, ok in zip(placements, live)]

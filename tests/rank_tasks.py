@@ -199,7 +199,7 @@ def check_training(pm, ref, loss_fn, x, y, steps: int) -> None:
         torch.testing.assert_close(got, ref(x), rtol=RTOL, atol=ATOL)
 
 
-def train_equivalence(name, mesh_shape: tuple, force=None, steps: int = 3,
+def train_equivalence(name, mesh_shape: tuple, force=None, steps: int = 2,
                       plan: dict | None = None, options: dict | None = None) -> dict | None:
     """Loss, gradients, parameters after `steps` AdamW steps, and the forward output, all equal
     to single-device training. Runs the solver's plan (with PlanOptions fields `options`), or

@@ -67,8 +67,8 @@ def test_at_least_25_distinct_misuses():
 def test_failure_mid_step_reaches_every_rank(die):
     """Rank 1 fails inside a step, in its first collective (raises, or its process exits): rank
     0 raises a RankError naming it instead of waiting in a collective forever (the process
-    group's timeout bounds the wait; here 15 s)."""
-    with World(2, timeout=90.0, error_grace=40.0, pg_timeout=15.0) as w:
+    group's timeout bounds the wait; here 6 s)."""
+    with World(2, timeout=90.0, error_grace=30.0, pg_timeout=6.0) as w:
         (status0, survivor), (status1, failed) = w.outcomes(tasks.fail_mid_step, 1, die)
     assert status0 == "ok" and survivor.startswith("RankError"), (status0, survivor)
     if die:

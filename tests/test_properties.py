@@ -99,11 +99,12 @@ def test_random_plan_matches_single_device(world2, world4, spec, mesh, seed, rec
 # terms that cancel, which a plan computing it in pieces on several ranks leaves uncancelled
 # (the soak found 1e-4 where one device's bfloat16 cancels to exactly 0).
 # A wrong number (a missing or doubled reduction, a wrong shard) is off by the size of the
-# values themselves, far above both.
+# values themselves, far above both. A sixth of the profile's examples (10 in CI: the plans
+# are those of the float64 test above, in another precision; the soak profile runs 166).
 BF16_ABS, BF16_FACTOR = 2.0 ** -5, 16.0
 
 
-@settings(deadline=None, max_examples=max(4, settings.default.max_examples // 4),
+@settings(deadline=None, max_examples=max(4, settings.default.max_examples // 6),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(spec=model_specs(), mesh=st.sampled_from(MESHES), seed=st.integers(0, 2**20))
 def test_random_plan_in_bf16_mixed_stays_within_rounding(world2, world4, spec, mesh, seed):

@@ -64,7 +64,7 @@ def test_bad_reshard_option():
 
 @pytest.mark.parametrize("model", ["mlp", "gpt", "hf_llama"])
 def test_freed_parameters_train_as_on_one_device(world2, model):
-    plan = world2.run(rank_tasks.train_equivalence, model, (2,), "fsdp", 3, None,
+    plan = world2.run(rank_tasks.train_equivalence, model, (2,), "fsdp", 2, None,
                       {"reshard_after_forward": True})[0]
     assert plan["resharded"]
 
@@ -81,7 +81,7 @@ def test_freed_parameters_with_recomputation_and_tensor_parallel(world4):
 def test_freed_parameters_in_recomputed_blocks_train_as_on_one_device(world2, mode):
     """A recomputed block keeps a token for each freed parameter it reads; backward gathers
     the parameter again before running the block again."""
-    plan = world2.run(rank_tasks.train_equivalence, "gpt", (2,), "fsdp", 3, None,
+    plan = world2.run(rank_tasks.train_equivalence, "gpt", (2,), "fsdp", 2, None,
                       {"reshard_after_forward": True, "recompute": mode})[0]
     assert plan["resharded"]
 

@@ -63,7 +63,7 @@ def test_planner_shards_state_when_memory_binds():
 
 @pytest.mark.parametrize("model,force", [("mlp", "zero1"), ("gpt", "zero2")], ids=str)
 def test_zero_trains_as_on_one_device(world2, model, force):
-    plan = world2.run(rank_tasks.train_equivalence, model, (2,), force, 3)[0]
+    plan = world2.run(rank_tasks.train_equivalence, model, (2,), force)[0]
     assert set(plan["zero"].values()) == {int(force[-1])}
 
 
