@@ -15,7 +15,7 @@ from .mesh import MeshSpec
 from .options import PlanOptions
 from .parallelized import Parallelized, PlanMismatchError, batch_size, pipeline_tracer
 from .plan import Plan
-from .planner import solve_accumulated, solve_pipeline_plan
+from .planner import plan_round, solve_accumulated, solve_pipeline_plan, start_rounds
 from .progress import Progress
 from .search import Cluster, search_mesh
 
@@ -81,9 +81,17 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=Non
         _no_pipeline_options(options)
         return solve_accumulated(trace_at, batch_of(call), spec, options)[0]
 
+    def plan_step(spec: MeshSpec, rounds):  # a mesh search's step: one microbatch count
+        if spec.pipeline_dim is not None:
+            return plan_on(spec), None
+        _no_pipeline_options(options)
+        rounds = plan_round(trace_at, spec, options,
+                            rounds or start_rounds(batch_of(call), options))
+        return (rounds.result()[0], None) if rounds.done else (None, rounds.shipped())
+
     if isinstance(mesh, Cluster):
         trace_at(1)  # before the search forks its workers: they share this trace
-        return search_mesh(mesh, plan_on, options)
+        return search_mesh(mesh, plan_step, options)
     if not isinstance(mesh, MeshSpec):
         mesh = MeshSpec.from_device_mesh(mesh)
     try:

@@ -309,8 +309,58 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
     is, within LEVEL_GAP of a plan found, is not solved. Returns the plan (its
     `accumulation`; its cost for the whole step, gradients synchronized once), the strategy
     graph and the traced program of one microbatch. Without `accumulate` (an inference
-    program) the whole batch, always."""
+    program) the whole batch, always.
+
+    One microbatch count at a time (`plan_round`): a mesh search plans the counts of its
+    candidates as separate tasks, with the same decisions."""
     options = options or PlanOptions()
+    rounds = start_rounds(batch, options, accumulate)
+    while not rounds.done:
+        rounds = plan_round(trace_at, mesh, options, rounds, storage=storage, zero=zero)
+    return rounds.result()
+
+
+@dataclasses.dataclass
+class Rounds:
+    """Where `solve_accumulated` stands between microbatch counts: the counts to try, the
+    next one, the plans found so far (accumulated, with their strategy graph, traced program
+    and recomputation level; the graph and program are None in a plan sent back by a mesh
+    search's worker), the last reason no plan fit, and whether it is done."""
+
+    counts: list[int]
+    levels: list[tuple[str, bool]]  # (recomputation, parameters freed after forward)
+    recompute: list[str]
+    next: int = 0
+    found: list = dataclasses.field(default_factory=list)
+    error: NoFeasiblePlan | None = None
+    since: int = 0  # counts tried since (and with) the first where a plan fits
+    done: bool = False
+
+    def best(self) -> float | None:
+        """The fastest step found so far (None before any)."""
+        return min(f[0].cost.step_time for f in self.found) if self.found else None
+
+    def result(self) -> tuple[Plan, StrategyGraph | None, TracedProgram | None]:
+        """The fastest plan found, its graph and traced program; NoFeasiblePlan when none
+        fits."""
+        if self.found:
+            best = min(self.found, key=lambda f: f[0].cost.step_time)
+            return best[0], best[1], best[2]
+        tried = self.counts[min(self.next, len(self.counts)) - 1]
+        what = f"recomputation ({', '.join(self.recompute)}) and " \
+            if len(self.recompute) > 1 else ""
+        raise NoFeasiblePlan(f"{self.error} (tried {what}gradient accumulation up to {tried} "
+                             "microbatches)", self.error.dominant,
+                             self.error.activations_matter) from None
+
+    def shipped(self) -> "Rounds":
+        """These rounds without the strategy graphs and traced programs (for a process that
+        only needs the plans)."""
+        return dataclasses.replace(self, found=[(p, None, None, lv) for p, _, _, lv in self.found])
+
+
+def start_rounds(batch: int | None, options: PlanOptions, accumulate: bool = True) -> Rounds:
+    """The microbatch counts and memory levels `solve_accumulated` tries (see there)."""
     if not accumulate:
         counts = [1]
     elif options.microbatches is not None:
@@ -331,60 +381,64 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
     levels = [(recompute[0], False)] + [(r, True) for r in recompute] \
         if accumulate and options.reshard_after_forward is None else \
         [(r, False) for r in recompute]
-    error, found, tried, since = None, [], 0, 0
-    for m in counts:
-        program = trace_at(m)
-        tried = m
-        plain = False  # a plan fits at this count without recomputing more than levels[0]
-        # Each level only adds work to every plan (parameters gathered again, ops recomputed):
-        # the first level's lower bound bounds them all at this count.
-        bounds: list[float] = []
-        unbudgeted: list[dict[str, int]] = []  # each level's fastest plan (one graph per count)
-        fastest = float("inf")  # of the plans found at this count, per microbatch
-        for i, (level, reshard) in enumerate(levels):
-            if i and bounds and bounds[0] * (1 + LEVEL_GAP) >= fastest:
-                continue  # no plan at this level can be LEVEL_GAP faster than one that fits
-            if found and level != levels[0][0] and \
-                    m * level_floor(program, mesh, options, level) * (1 + LEVEL_GAP) \
-                    >= min(f[0].cost.step_time for f in found):
-                continue  # no plan recomputing this much can beat one that fits already
-            try:
-                # When the fastest plan keeping every parameter gathered does not fit, freeing
-                # (the next level) is where memory is found: no budgeted solve at this one.
-                # Why nothing fits is worked out at the last level only (the others go on).
-                plan, graph = solve_plan(program, mesh, options, storage=storage, zero=zero,
-                                         recompute=level, reshard=reshard, accumulation=m,
-                                         unbounded=not reshard and len(levels) > 1 and
-                                         levels[1][1], diagnose=i == len(levels) - 1,
-                                         bounds=bounds if i == 0 else None,
-                                         fastest=unbudgeted)
-            except NoFeasiblePlan as e:
-                error = e
-                if e.activations_matter:
-                    continue  # recompute more, or split the batch further
-                if found:
-                    break
-                if m == 1:
-                    raise
-                raise NoFeasiblePlan(f"with gradient accumulation over {m} microbatches (the "
-                                     f"fewest that shrink the activations enough): {e}",
-                                     e.dominant, e.activations_matter) from None
-            found.append((accumulated(plan, m), graph, program, level))
-            fastest = min(fastest, plan.cost.step_time)
-            plain = plain or level == recompute[0]
-            if plan.cost.peak_memory < BINDING * plan.cost.memory_budget:
-                break  # memory does not bind: recomputing more would only cost time
-        since += bool(found)  # counts tried since (and with) the first where a plan fits
-        # More microbatches only cost more once a plan fits without recomputing, or at the
-        # count after the first that fits at all.
-        if plain or since >= 2:
-            break
-    if found:
-        best = min(found, key=lambda f: f[0].cost.step_time)
-        return best[0], best[1], best[2]
-    what = f"recomputation ({', '.join(recompute)}) and " if len(recompute) > 1 else ""
-    raise NoFeasiblePlan(f"{error} (tried {what}gradient accumulation up to {tried} "
-                         "microbatches)", error.dominant, error.activations_matter) from None
+    return Rounds(counts, levels, recompute)
+
+
+@planning
+def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *,
+               storage: dict[str, Placements] | None = None,
+               zero: dict[str, int] | None = None) -> Rounds:
+    """`rounds` after planning its next microbatch count (see `solve_accumulated`); raises
+    NoFeasiblePlan where nothing can fit."""
+    m = rounds.counts[rounds.next]
+    levels, recompute = rounds.levels, rounds.recompute
+    program = trace_at(m)
+    found, error = list(rounds.found), rounds.error
+    plain = False  # a plan fits at this count without recomputing more than levels[0]
+    # Each level only adds work to every plan (parameters gathered again, ops recomputed):
+    # the first level's lower bound bounds them all at this count.
+    bounds: list[float] = []
+    unbudgeted: list[dict[str, int]] = []  # each level's fastest plan (one graph per count)
+    fastest = float("inf")  # of the plans found at this count, per microbatch
+    for i, (level, reshard) in enumerate(levels):
+        if i and bounds and bounds[0] * (1 + LEVEL_GAP) >= fastest:
+            continue  # no plan at this level can be LEVEL_GAP faster than one that fits
+        if found and level != levels[0][0] and \
+                m * level_floor(program, mesh, options, level) * (1 + LEVEL_GAP) \
+                >= min(f[0].cost.step_time for f in found):
+            continue  # no plan recomputing this much can beat one that fits already
+        try:
+            # When the fastest plan keeping every parameter gathered does not fit, freeing
+            # (the next level) is where memory is found: no budgeted solve at this one.
+            # Why nothing fits is worked out at the last level only (the others go on).
+            plan, graph = solve_plan(program, mesh, options, storage=storage, zero=zero,
+                                     recompute=level, reshard=reshard, accumulation=m,
+                                     unbounded=not reshard and len(levels) > 1 and
+                                     levels[1][1], diagnose=i == len(levels) - 1,
+                                     bounds=bounds if i == 0 else None,
+                                     fastest=unbudgeted)
+        except NoFeasiblePlan as e:
+            error = e
+            if e.activations_matter:
+                continue  # recompute more, or split the batch further
+            if found:
+                break
+            if m == 1:
+                raise
+            raise NoFeasiblePlan(f"with gradient accumulation over {m} microbatches (the "
+                                 f"fewest that shrink the activations enough): {e}",
+                                 e.dominant, e.activations_matter) from None
+        found.append((accumulated(plan, m), graph, program, level))
+        fastest = min(fastest, plan.cost.step_time)
+        plain = plain or level == recompute[0]
+        if plan.cost.peak_memory < BINDING * plan.cost.memory_budget:
+            break  # memory does not bind: recomputing more would only cost time
+    since = rounds.since + bool(found)
+    # More microbatches only cost more once a plan fits without recomputing, or at the
+    # count after the first that fits at all.
+    done = plain or since >= 2 or rounds.next + 1 == len(rounds.counts)
+    return dataclasses.replace(rounds, next=rounds.next + 1, found=found, error=error,
+                               since=since, done=done)
 
 
 def level_floor(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,

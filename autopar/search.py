@@ -14,8 +14,11 @@ a node. The model is traced once for all candidates (the trace does not depend o
 
 Candidates are planned in worker processes at once (`PlanOptions.search_workers`; by default
 one per CPU core), forked from the caller after the trace, so each starts from the traced
-model without pickling it; a worker sends its plan (or why none fits) back. Ties are broken
-in candidate order whatever finished first, so the result does not depend on the workers.
+model without pickling it; a worker sends its plan (or why none fits) back. A candidate is
+planned in steps (one microbatch count each, autopar/planner.py `plan_round`): a worker sends
+back where the candidate stands and its next step joins the queue, so the steps of a long
+candidate spread over the workers. Ties are broken in candidate order whatever finished
+first, so the result does not depend on the workers.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import dataclasses
 import multiprocessing
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
 from autopar.solver.ilp import NoFeasiblePlan
@@ -97,8 +100,10 @@ def candidate_meshes(cluster: Cluster) -> list[MeshSpec]:
 
 
 def search_mesh(cluster: Cluster, plan_for, options: PlanOptions) -> Plan:
-    """The best plan over `candidate_meshes(cluster)`: `plan_for(mesh)` plans one (raising
-    NoFeasiblePlan or StageError when nothing fits), in `options.search_workers` processes.
+    """The best plan over `candidate_meshes(cluster)`: `plan_for(mesh, state)` takes one step
+    of planning a candidate (`state`: None at the first, then what the step before returned)
+    and returns (plan, None) when done, (None, state) when there is more to plan (raising
+    NoFeasiblePlan or StageError when nothing fits); in `options.search_workers` processes.
     Ties go to fewer, then smaller, pp and tp degrees. The returned plan's `mesh_search` ranks
     every candidate."""
     tried = []
@@ -139,36 +144,65 @@ def workers(options: PlanOptions, candidates: int) -> int:
 _FORKED: dict = {}
 
 
-def _plan_one(i: int, progress=None) -> tuple[Plan | None, str, float]:
-    """(plan, "", seconds) for candidate `i` of the search, or (None, why none fits, seconds)."""
+def _plan_one(i: int, state=None, progress=None) -> tuple[Plan | None, str, float, object]:
+    """One step of candidate `i` (see `search_mesh`): (plan, "", seconds, None) when it is
+    planned, (None, why none fits, seconds, None) when nothing fits, (None, "", seconds,
+    state) when there is more to plan."""
     plan_for, meshes = _FORKED["plan_for"], _FORKED["meshes"]
     mesh = meshes[i]
-    Progress(progress)(f"mesh {i + 1} of {len(meshes)}: "
-                       + " x ".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.shape)))
+    if state is None:
+        Progress(progress)(f"mesh {i + 1} of {len(meshes)}: "
+                           + " x ".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.shape)))
     start = time.perf_counter()
     try:
-        plan = plan_for(mesh)
+        plan, state = plan_for(mesh, state)
     except (NoFeasiblePlan, StageError) as e:
-        return None, str(e).splitlines()[0][:200], time.perf_counter() - start
-    return plan, "", time.perf_counter() - start
+        return None, str(e).splitlines()[0][:200], time.perf_counter() - start, None
+    return plan, "", time.perf_counter() - start, state
 
 
 def _plan_all(meshes: list[MeshSpec], plan_for, options: PlanOptions) -> list[tuple]:
-    """`_plan_one` of every candidate, in candidate order: in this process, or in forked
-    workers (`workers`) that take the candidates as they come free, those of more mesh
-    dimensions first."""
+    """Every candidate planned to the end (`_plan_one` until it returns no state): (plan,
+    why, seconds), in candidate order; in this process, or in forked workers (`workers`) that
+    take the steps as they come free, those of meshes of more dimensions first."""
     _FORKED.update(plan_for=plan_for, meshes=meshes)
     try:
         n = workers(options, len(meshes))
+        done: dict[int, tuple] = {}
         if n == 1:
-            return [_plan_one(i, options.progress) for i in range(len(meshes))]
-        # The workers take the meshes of more dimensions first: they have more strategies
-        # to price and solve (Llama-3 70B over 1,024 H100s: 40-57 s each for 512 x 2,
-        # 256 x 4 and 128 x 8, 10 s for 1,024), so the short ones fill in at the end
-        # instead of leaving one worker alone with a long one (longest first).
-        order = sorted(range(len(meshes)), key=lambda i: -len(meshes[i].shape))
+            for i in range(len(meshes)):
+                state, seconds = None, 0.0
+                while True:
+                    plan, why, took, state = _plan_one(i, state, options.progress)
+                    seconds += took
+                    if state is None:
+                        done[i] = (plan, why, seconds)
+                        break
+            return [done[i] for i in range(len(meshes))]
+        # The workers take the steps of meshes of more dimensions first: they have more
+        # strategies to price and solve (Llama-3 70B over 1,024 H100s: 40-57 s each for
+        # 512 x 2, 256 x 4 and 128 x 8, 10 s for 1,024), so the short ones fill in at the end
+        # instead of leaving one worker alone with a long one (longest first); of those, first
+        # steps first: each may bring another.
+        queue = [(i, None) for i in range(len(meshes))]
+        seconds = [0.0] * len(meshes)
         with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
-            done = dict(zip(order, pool.map(_plan_one, order, [options.progress] * len(order))))
+            running: dict = {}
+            while queue or running:
+                while queue and len(running) < n:
+                    queue.sort(key=lambda t: (-len(meshes[t[0]].shape), t[1] is not None,
+                                              t[0]))
+                    i, state = queue.pop(0)
+                    running[pool.submit(_plan_one, i, state, options.progress)] = i
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    i = running.pop(future)
+                    plan, why, took, state = future.result()
+                    seconds[i] += took
+                    if state is None:
+                        done[i] = (plan, why, seconds[i])
+                    else:
+                        queue.append((i, state))
         return [done[i] for i in range(len(meshes))]
     finally:
         _FORKED.clear()

@@ -61,6 +61,32 @@ def test_worker_processes_find_the_plan_one_process_finds():
         autopar.PlanOptions(search_workers=0)
 
 
+def test_candidates_are_planned_a_microbatch_count_at_a_time(monkeypatch):
+    """Under a budget the whole batch does not fit (4.5 MiB per device: 6.7 MiB without
+    recomputation, 5.0 with full; 4.2 in two microbatches without), every candidate is planned
+    in two steps, one per microbatch count, which forked workers take as they come free; they
+    find what one process finds: two microbatches, nothing recomputed."""
+    model, example = _gpt(batch=64)
+    cluster = autopar.Cluster(4, hardware="cpu", devices_per_node=4)
+    steps, real = [], autopar.search._plan_one
+
+    def counted(i, state=None, progress=None):
+        steps.append(i)
+        return real(i, state, progress)
+
+    monkeypatch.setattr(autopar.search, "_plan_one", counted)
+    alone = autopar.plan(model, cluster, example, loss_fn=lm_loss, memory_budget=4.5 * 2**20,
+                         search_workers=1)
+    assert sorted(steps) == sorted(list(range(len(alone.mesh_search))) * 2)
+    assert alone.accumulation == 2 and alone.recompute.mode == "none"
+    monkeypatch.undo()  # (workers are sent the function by name)
+    forked = autopar.plan(model, cluster, example, loss_fn=lm_loss, memory_budget=4.5 * 2**20,
+                          search_workers=2)
+    assert forked.hash() == alone.hash() and forked.mesh == alone.mesh
+    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in alone.mesh_search]
+    assert [{k: v for k, v in r.items() if k != "seconds"} for r in forked.mesh_search] == strip
+
+
 def test_a_mesh_that_does_not_fit_is_ranked_with_its_reason():
     """A budget between the smallest peaks of the candidates: the ones above it are ranked
     last, with the reason."""
