@@ -195,7 +195,11 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     # The re-solves reuse the prices, and the plan without the budget (`fastest`) of the
     # first solve.
     ilp_budget, priced = budget, cost
-    problem = priced_problem(graph, priced, clusters, forced, discouraged)
+    # the levels that differ only in the parameters freed after forward share edge prices
+    shared = cost.shared_key()
+    problem = priced_problem(graph, priced, clusters, forced, discouraged,
+                             None if shared is None else
+                             derived(program, ("edge prices", id(clusters)) + shared, dict))
     fastest = fastest if fastest is not None else []
     for attempt in range(RESOLVES + 1):
         try:
