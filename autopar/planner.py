@@ -340,10 +340,6 @@ class Rounds:
     since: int = 0  # counts tried since (and with) the first where a plan fits
     done: bool = False
 
-    def best(self) -> float | None:
-        """The fastest step found so far (None before any)."""
-        return min(f[0].cost.step_time for f in self.found) if self.found else None
-
     def result(self) -> tuple[Plan, StrategyGraph | None, TracedProgram | None]:
         """The fastest plan found, its graph and traced program; NoFeasiblePlan when none
         fits."""

@@ -44,7 +44,7 @@ def test_every_rank_runs_the_same_program(name, mesh):
     graph = strategies.build(program, mesh)
     cost = CostModel(autopar.MeshSpec(mesh, hardware="cpu"))
     comm = RecordingComm()
-    for seed in range(4):
+    for seed in range(2 if name == "hf_llama" else 4):  # (a Llama's rewrites take seconds)
         drawn = random_choice(graph, cost, random.Random(seed))
         choice = {n: graph.nodes[n].strategies[i] for n, i in drawn.items()}
         programs = [rewrite(program, graph, choice, coords, comm)
