@@ -195,11 +195,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     # The re-solves reuse the prices, and the plan without the budget (`fastest`) of the
     # first solve.
     ilp_budget, priced = budget, cost
-    # the levels that differ only in the parameters freed after forward share edge prices
-    shared = cost.shared_key()
-    problem = priced_problem(graph, priced, clusters, forced, discouraged,
-                             None if shared is None else
-                             derived(program, ("edge prices", id(clusters)) + shared, dict))
+    problem = priced_problem(graph, priced, clusters, forced, discouraged)
     fastest = fastest if fastest is not None else []
     for attempt in range(RESOLVES + 1):
         try:
@@ -333,12 +329,15 @@ class Rounds:
 
     counts: list[int]
     levels: list[tuple[str, bool]]  # (recomputation, parameters freed after forward)
-    recompute: list[str]
     next: int = 0
     found: list = dataclasses.field(default_factory=list)
     error: NoFeasiblePlan | None = None
     since: int = 0  # counts tried since (and with) the first where a plan fits
     done: bool = False
+
+    def recompute(self) -> list[str]:
+        """The recomputation modes of the levels, in order."""
+        return list(dict.fromkeys(mode for mode, _ in self.levels))
 
     def result(self) -> tuple[Plan, StrategyGraph | None, TracedProgram | None]:
         """The fastest plan found, its graph and traced program; NoFeasiblePlan when none
@@ -347,8 +346,8 @@ class Rounds:
             best = min(self.found, key=lambda f: f[0].cost.step_time)
             return best[0], best[1], best[2]
         tried = self.counts[min(self.next, len(self.counts)) - 1]
-        what = f"recomputation ({', '.join(self.recompute)}) and " \
-            if len(self.recompute) > 1 else ""
+        what = f"recomputation ({', '.join(self.recompute())}) and " \
+            if len(self.recompute()) > 1 else ""
         raise NoFeasiblePlan(f"{self.error} (tried {what}gradient accumulation up to {tried} "
                              "microbatches)", self.error.dominant,
                              self.error.activations_matter) from None
@@ -381,7 +380,7 @@ def start_rounds(batch: int | None, options: PlanOptions, accumulate: bool = Tru
     levels = [(recompute[0], False)] + [(r, True) for r in recompute] \
         if accumulate and options.reshard_after_forward is None else \
         [(r, False) for r in recompute]
-    return Rounds(counts, levels, recompute)
+    return Rounds(counts, levels)
 
 
 @planning
@@ -391,7 +390,7 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
     """`rounds` after planning its next microbatch count (see `solve_accumulated`); raises
     NoFeasiblePlan where nothing can fit."""
     m = rounds.counts[rounds.next]
-    levels, recompute = rounds.levels, rounds.recompute
+    levels, recompute = rounds.levels, rounds.recompute()
     program = trace_at(m)
     found, error = list(rounds.found), rounds.error
     plain = False  # a plan fits at this count without recomputing more than levels[0]

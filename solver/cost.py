@@ -141,15 +141,6 @@ class CostModel:
         self._node_kinds: dict[int, tuple[SNode, _Kinds]] = {}  # by node (see `_kinds`)
         self._edge_share: float | None = None
 
-    def shared_key(self) -> tuple | None:
-        """What prices depend on besides the parameters freed after forward: models with one
-        key price every edge out of a non-parameter alike (solver/ilp.py `priced_problem`'s
-        `shared`); None where measured times make the prices the model's own."""
-        if self.measured:
-            return None
-        return (self.shape, repr(self.hw), self.optimizer, self.bucket_bytes, self.precision,
-                self.activation_factor, self.accumulation, id(self.graph), id(self.recompute))
-
     def copy(self, **changes) -> CostModel:
         """The same model with some settings changed (mesh, optimizer, bucket_bytes, graph,
         precision, measured, activation_factor, recompute, reshard, accumulation)."""

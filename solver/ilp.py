@@ -631,23 +631,16 @@ class _OwnerProblem:
 
 def priced_problem(graph: StrategyGraph, cost: CostModel, clustering: Clustering | None = None,
                    forced: dict[str, list[int]] | None = None,
-                   discouraged: dict[str, list[int]] | None = None,
-                   shared: dict | None = None) -> _OwnerProblem:
+                   discouraged: dict[str, list[int]] | None = None) -> _OwnerProblem:
     """The ILP's prices (`solve`'s `problem`): every owner's and edge block's seconds and
-    bytes, priced once for solves under several budgets. `shared`: a dict kept across the
-    problems of one graph and clustering whose costs differ only in the parameters freed
-    after forward (`cost.reshard`, cost.py `shared_key`): the edges out of ops, inputs and
-    constants, whose prices do not depend on that, are priced once for them all."""
-    return _owner_problem(graph, cost, clustering or identity(graph), forced, discouraged,
-                          shared)
+    bytes, priced once for solves under several budgets."""
+    return _owner_problem(graph, cost, clustering or identity(graph), forced, discouraged)
 
 
 def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
-                   discouraged, shared: dict | None = None) -> _OwnerProblem:
+                   discouraged) -> _OwnerProblem:
     """Aggregate node and edge costs onto owners. Repeated layers are priced once: a node
-    shares its twin's prices and edges between the same twins are priced once and counted
-    (and, with `shared`, edges out of non-parameters once for every level that shares it:
-    see `priced_problem`)."""
+    shares its twin's prices and edges between the same twins are priced once and counted."""
     overlap = cost.overlap
     t_split = node_splits(graph, cost, c.twin) if overlap else None
     t = {v: [sum(sp) for sp in splits] for v, splits in t_split.items()} if overlap \
@@ -687,14 +680,12 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
             groups[key][2].append(bucket_of[(e.consumer, e.slot)])
     buckets: dict[int, list[tuple]] = defaultdict(list)
     blocks: list[tuple[str, str, list, list, dict]] = []
-    for group, (e, count, in_buckets) in groups.items():
+    for e, count, in_buckets in groups.values():
         u, v = graph.nodes[e.producer], graph.nodes[e.consumer]
-        memo = shared if shared is not None and u.kind != PARAM else None
         ou, ov = c.owner[u.name], c.owner[v.name]
         a_of = _live([u.strategies[j].out(e.out_index) for j in c.index[u.name]], live[ou])
         b_of = _live([v.strategies[j].inputs[e.slot] for j in c.index[v.name]], live[ov])
 
-        @_memoized(memo, ("time", group, count))
         def priced(a, b, v=v, e=e, count=count) -> tuple[float, Split]:
             """The price and (with overlap) the price by where it runs."""
             if a is RULED_OUT or b is RULED_OUT:
@@ -706,13 +697,11 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
             p = sum(sp)
             return (p if p == INFEASIBLE else p * count), NO_TIME.plus(sp, count)
 
-        @_memoized(memo, ("kept", group, count))
         def kept(a, b, v=v, e=e, count=count):  # bytes autograd keeps of the edge's tensor
             if a is RULED_OUT or b is RULED_OUT:
                 return 0.0
             return cost.edge_memory(graph, v, e.slot, a, b) * count
 
-        @_memoized(memo, ("held", group))
         def held(a, b, v=v, e=e):  # FSDP gathers in flight, one twin's (its bucket's share)
             if a is RULED_OUT or b is RULED_OUT:
                 return 0.0
@@ -761,21 +750,6 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
     return _OwnerProblem(node_cost, memory, [b[:5] for b in merged], [b[5] for b in merged],
                          terms, node_split if overlap else None,
                          [b[6] for b in merged] if overlap else None)
-
-
-def _memoized(memo: dict | None, key: tuple):
-    """A decorator: `f(a, b)` kept in `memo` under (key, a, b) (none kept without a memo)."""
-    def wrap(f):
-        if memo is None:
-            return f
-
-        def kept_f(a, b):
-            at = (key, a, b)
-            if at not in memo:
-                memo[at] = f(a, b)
-            return memo[at]
-        return kept_f
-    return wrap
 
 
 def _recompute_key(cost: CostModel, v: str) -> tuple:

@@ -74,25 +74,6 @@ def test_objective_equals_cost_model(mesh_shape):
     assert plan_time(graph, cost, sol.choice) == pytest.approx(sol.objective, rel=1e-6)
 
 
-def test_levels_share_the_prices_of_edges_out_of_non_parameters():
-    """Prices left in `shared` by the level keeping gathered parameters (the same graph and
-    recomputation) price the level freeing them after forward exactly as it prices alone;
-    its parameters' edges are its own."""
-    from autopar.solver.ilp import priced_problem
-
-    graph, _ = _gpt_graph((2, 2), layers=1)
-    kept = CostModel(autopar.MeshSpec((2, 2), hardware="h100"), graph=graph)
-    freed = kept.copy(reshard=frozenset(n for n, v in graph.nodes.items() if v.kind == "param"))
-    assert kept.shared_key() == freed.shared_key() is not None
-    shared: dict = {}
-    first = priced_problem(graph, kept, shared=shared)
-    assert shared and first == priced_problem(graph, kept)
-    alone = priced_problem(graph, freed)
-    assert priced_problem(graph, freed, shared=shared) == alone
-    assert alone != first  # (freed parameters are gathered again in backward)
-    assert kept.copy(accumulation=2).shared_key() != kept.shared_key()
-
-
 def test_backends_agree():
     """HiGHS, SCIP and CP-SAT find the same optimum (one GPT block: SCIP and CP-SAT take
     seconds per block)."""
