@@ -24,23 +24,21 @@ Sources of the built-in figures (vendor datasheets; dense, i.e. without 2:4 spar
   SXM5: 132, A100: 108). The output tiles are CUTLASS's and cuBLAS's common bf16 tiles on
   these parts: 128 x 256 either way, and 128 x 128 down to 64 x 64 for outputs too small to
   fill the SMs with large ones (their somewhat lower per-SM rate is not modelled); a tile's
-  pipeline fill is taken as four 64-wide K blocks (256 elements). On the H100 (and H200)
-  the analytic share is corrected by GEMM shares measured on an H200 with PyTorch 2.11
-  (autopar.measured.GEMM_H200: 71 shapes; the large ones reach 0.70-0.83 of peak, a
-  128-wide output 0.5). Fused attention on the H100 (and H200): PyTorch 2.11's default
-  SDPA kernel (cuDNN's), measured on an H200 (autopar.measured.SDPA_H200: causal forward
-  435 / 587 / 626 TFLOP/s at 1k / 4k / 16k tokens, backward 319 / 459 / 508).
-  `FLASH_ATTENTION_2` keeps FlashAttention-2's rates on H100 SXM5 (head dimension 128, bf16,
-  the FlashAttention-3 paper, Shah et al., 2024, arXiv:2407.08608, figures 5 and 6:
-  forward 309 / 350 / 362 / 368 / 370 / 370 TFLOP/s at 512 / 1k / 2k / 4k / 8k / 16k
-  tokens, with a causal mask 191 / 260 / 298 / 319 / 333 / 335, backward 214 / 260 / 291 /
-  310 / 318 / 322; backward flops counted as 2.5x forward, the papers' convention), what
-  SDPA's flash backend runs, for profiles of older PyTorch. The A100 has no attention table
-  here: its attention is priced as a GEMM at the MAMF share. Elementwise kernels reach about
-  90% of the HBM datasheet bandwidth (STREAM-style copy benchmarks on A100 and H100; an
-  H200 copy measured here: 4.2 of 4.8 TB/s); on the H100 (and H200) a cast to a wider float
-  type reaches 0.51 of that and a kernel reading a broadcast operand 0.67 (PyTorch 2.11's
-  kernels, measured on an H200: autopar.measured.COPY_H200).
+  pipeline fill is taken as four 64-wide K blocks (256 elements). On the H100 and H200 the
+  analytic share is corrected by GEMM shares measured on each GPU with PyTorch 2.11
+  (autopar.measured.GEMM_H100 and GEMM_H200, 72 and 71 shapes; the large ones reach
+  0.66-0.83 of peak, a 128-wide output 0.3-0.5). Fused attention on the H100 and H200:
+  PyTorch 2.11's default SDPA kernel (cuDNN's), measured on each (autopar.measured.SDPA_H100:
+  causal forward 378 / 542 / 609 TFLOP/s at 1k / 4k / 16k tokens, backward 277 / 457 / 490;
+  SDPA_H200 0-15% faster). `autopar.measured.FLASH_H100` keeps SDPA's flash backend
+  (FlashAttention-2, what PyTorch ran on Hopper GPUs through 2024) measured on the H100, for
+  profiles of older PyTorch. The A100 has no attention table here: its attention is priced
+  as a GEMM at the MAMF share. Elementwise kernels reach about 90% of the HBM datasheet
+  bandwidth (STREAM-style copy benchmarks on A100 and H100; measured here: an H100 copy 2.97
+  of 3.35 TB/s, an H200's 4.2 of 4.8); on the H100 and H200 a cast to a wider float type
+  reaches 0.51 of that and a kernel reading a broadcast operand 0.67 (PyTorch 2.11's kernels,
+  measured on an H200, autopar.measured.COPY_H200; inside an H100's step the same kernels
+  run at 0.59-0.76 and 0.67).
 - Overlap: on GPUs collectives run on their own CUDA streams beside compute (NCCL), so the
   ones the runtime issues ahead of need (FSDP gathers, gradient buckets) hide under compute;
   a gloo rank on a small CPU machine has no spare core for them (`overlap` False).
@@ -62,7 +60,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
 
-from .measured import BROADCAST_H200, GEMM_H200, SDPA_H200, WIDENING_H200
+from . import measured
 
 GB = 1e9
 GiB = 2**30
@@ -189,19 +187,6 @@ class HardwareProfile:
 
 GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64), (64, 64))
 
-# FlashAttention-2 on an H100 SXM5 (head dim 128, bf16; the FlashAttention-3 paper's figures
-# 5 and 6): (kv length, flop/s). What PyTorch's SDPA ran on Hopper GPUs through 2024 (its
-# flash backend); the built-in H100 profile prices today's default, measured
-# (autopar.measured.SDPA_H200).
-FLASH_ATTENTION_2 = {
-    "forward": ((512, 309e12), (1024, 350e12), (2048, 362e12), (4096, 368e12),
-                (8192, 370e12), (16384, 370e12)),
-    "forward_causal": ((512, 191e12), (1024, 260e12), (2048, 298e12), (4096, 319e12),
-                       (8192, 333e12), (16384, 335e12)),
-    "backward": ((512, 214e12), (1024, 260e12), (2048, 291e12), (4096, 310e12),
-                 (8192, 318e12), (16384, 322e12)),
-}
-
 # The built-in profiles, as data (sources in the module docstring).
 BUILTIN: dict[str, dict] = {
     "a100": {
@@ -225,10 +210,10 @@ BUILTIN: dict[str, dict] = {
         "devices_per_node": 8,
         "matmul_efficiency": 792.1 / 989.4, "matmul_best_shape": (6144, 17920, 2816),
         "sm_count": 132, "gemm_tiles": GEMM_TILES, "gemm_k_overhead": 256,
-        "gemm_measured": GEMM_H200,
-        "attention": SDPA_H200,
-        "memory_efficiency": 0.9, "widening_efficiency": round(WIDENING_H200, 3),
-        "broadcast_efficiency": round(BROADCAST_H200, 3), "overlap": True,
+        "gemm_measured": measured.GEMM_H100,
+        "attention": measured.SDPA_H100,
+        "memory_efficiency": 0.9, "widening_efficiency": round(measured.WIDENING_H200, 3),
+        "broadcast_efficiency": round(measured.BROADCAST_H200, 3), "overlap": True,
     },
     "cpu": {
         "name": "cpu",
@@ -240,9 +225,11 @@ BUILTIN: dict[str, dict] = {
     },
 }
 
-# The H200 is an H100 with more and faster memory (same compute, NVLink4 and NDR links).
+# The H200 is an H100 with more and faster memory (same compute, NVLink4 and NDR links), and
+# its own measured op rates.
 BUILTIN["h200"] = {**BUILTIN["h100"], "name": "h200", "memory_bandwidth": 4.8e12,
-                   "memory": 143771 * MiB}
+                   "memory": 143771 * MiB, "gemm_measured": measured.GEMM_H200,
+                   "attention": measured.SDPA_H200}
 
 PROFILES: dict[str, HardwareProfile] = {k: HardwareProfile.from_dict(v)
                                         for k, v in BUILTIN.items()}

@@ -1,8 +1,8 @@
 """Op rates measured on a GPU by `python -m benchmarks.gpu_check` (benchmarks/RESULTS.md, "One
 GPU"), kept as data the built-in profiles use (autopar.hardware).
 
-Measured 2026-11-26 on one NVIDIA H200 SXM (132 SMs; the H100 SXM's compute, so its matrix and
-attention rates stand for the H100's too), PyTorch 2.11.0 with CUDA 13.0, bf16:
+Measured 2026-11-26 on one NVIDIA H200 SXM (132 SMs; the H100 SXM's compute), PyTorch 2.11.0
+with CUDA 13.0, bf16 (the H100's own tables, measured the same way, are at the end):
 
 - `GEMM_H200`: (M, N, K, share of the 989.4 TFLOP/s dense bf16 peak) of `a @ b`, a (M x K)
   and b (K x N) random, each shape timed back to back for 20 ms, three rounds, twice in
@@ -22,8 +22,10 @@ attention rates stand for the H100's too), PyTorch 2.11.0 with CUDA 13.0, bf16:
   and a product with a broadcast operand. A cast to a wider float type reaches about half of
   a copy's bandwidth (PyTorch's cast kernel does not vectorize it; the narrowing cast does),
   a product reading a broadcast operand two thirds (its loads are not vectorized either,
-  contiguous or strided). The H100 runs the same kernels: `widening_efficiency` and
-  `broadcast_efficiency` of its profile are these ratios.
+  contiguous or strided). `widening_efficiency` and `broadcast_efficiency` of the H100 and
+  H200 profiles are these ratios: on an H100 (session 20) the rotary embedding's broadcast
+  products inside a step run at 2.0 TB/s, 0.67 of the profile's copy rate (0.9 x 3.35
+  TB/s), and its widening casts at 0.59-0.76 of it.
 """
 
 from __future__ import annotations
@@ -71,3 +73,59 @@ COPY_H200 = {
 # Shares of a same-dtype copy's bandwidth (the profile's memory_efficiency prices the copy).
 WIDENING_H200 = COPY_H200["cast bf16 -> fp32"] / COPY_H200["copy fp32"]
 BROADCAST_H200 = COPY_H200["mul contiguous x broadcast (fp32)"] / COPY_H200["copy fp32"]
+
+# -- H100 -----------------------------------------------------------------------------------------
+# Measured 2026-11-26 (session 20) on one NVIDIA H100 80GB HBM3 (SXM, 132 SMs; a bf16 8192^3
+# product 778 TFLOP/s, a 2^30-element copy 2,971 GB/s), PyTorch 2.11.0 with CUDA 13.0, by the
+# same parts of gpu_check as the H200's tables above (`gemm` and `sweep`, `attention`,
+# `kernels`). The large products reach 0.66-0.81 of peak: a median 0.97 of the H200's share
+# of the same shape (71 shapes in both tables; the same chip, with slower memory). Attention
+# (the default backend, cuDNN's) reaches 0.85-1.0 of the H200's rates forward and 0.87-1.0
+# backward, the least at short sequences.
+GEMM_H100 = (
+    (256, 4096, 16384, 0.557), (256, 16384, 4096, 0.636), (256, 16384, 16384, 0.689),
+    (1024, 1024, 16384, 0.616), (1024, 4096, 4096, 0.699), (1024, 4096, 16384, 0.802),
+    (1024, 16384, 1024, 0.64), (1024, 16384, 4096, 0.767), (1024, 16384, 16384, 0.718),
+    (3584, 8192, 131072, 0.725), (4096, 128, 16384, 0.278), (4096, 256, 16384, 0.526),
+    (4096, 1024, 4096, 0.726), (4096, 1024, 16384, 0.795), (4096, 4096, 1024, 0.646),
+    (4096, 4096, 4096, 0.758), (4096, 4096, 16384, 0.809), (4096, 16384, 128, 0.29),
+    (4096, 16384, 256, 0.507), (4096, 16384, 1024, 0.722), (4096, 16384, 4096, 0.765),
+    (4096, 16384, 16384, 0.716), (6144, 17920, 2816, 0.749), (8192, 8192, 8192, 0.778),
+    (14336, 4096, 16384, 0.802), (16384, 128, 4096, 0.322), (16384, 128, 16384, 0.359),
+    (16384, 256, 4096, 0.557), (16384, 256, 16384, 0.67), (16384, 512, 4096, 0.75),
+    (16384, 1024, 1024, 0.665), (16384, 1024, 4096, 0.77), (16384, 1024, 16384, 0.798),
+    (16384, 4096, 128, 0.289), (16384, 4096, 256, 0.478), (16384, 4096, 1024, 0.696),
+    (16384, 4096, 4096, 0.771), (16384, 4096, 14336, 0.771), (16384, 4096, 16384, 0.784),
+    (16384, 14336, 4096, 0.761), (16384, 16384, 128, 0.307), (16384, 16384, 256, 0.489),
+    (16384, 16384, 1024, 0.658), (16384, 16384, 4096, 0.718), (16384, 16384, 16384, 0.696),
+    (16384, 128256, 4096, 0.722), (65536, 128, 1024, 0.286), (65536, 128, 4096, 0.341),
+    (65536, 128, 16384, 0.359), (65536, 256, 1024, 0.522), (65536, 256, 4096, 0.628),
+    (65536, 256, 16384, 0.686), (65536, 1024, 128, 0.283), (65536, 1024, 256, 0.483),
+    (65536, 1024, 1024, 0.633), (65536, 1024, 4096, 0.783), (65536, 1024, 16384, 0.696),
+    (65536, 4096, 128, 0.308), (65536, 4096, 256, 0.542), (65536, 4096, 1024, 0.715),
+    (65536, 4096, 4096, 0.747), (65536, 4096, 16384, 0.763), (65536, 16384, 128, 0.309),
+    (65536, 16384, 256, 0.423), (65536, 16384, 1024, 0.687), (65536, 16384, 4096, 0.77),
+    (65536, 16384, 16384, 0.727), (128256, 4096, 16384, 0.687), (131072, 128, 8192, 0.352),
+    (131072, 1024, 8192, 0.813), (131072, 3584, 8192, 0.747), (131072, 8192, 3584, 0.725),
+)
+
+_CAUSAL_FORWARD_H100 = ((1024, 378e12), (2048, 446e12), (4096, 542e12), (8192, 572e12),
+                        (16384, 609e12))
+SDPA_H100 = {
+    "forward": _CAUSAL_FORWARD_H100,
+    "forward_causal": _CAUSAL_FORWARD_H100,
+    "backward": ((1024, 277e12), (2048, 379e12), (4096, 457e12), (8192, 464e12),
+                 (16384, 490e12)),
+}
+
+# SDPA's flash backend (FlashAttention-2, what PyTorch ran on Hopper GPUs through 2024) on the
+# same H100, causal, head dimension 128, 16,384 tokens per call (gpu_check's `kernels`):
+# 0.80-0.86 forward and 0.63-0.93 backward of the FlashAttention-3 paper's published
+# FlashAttention-2 rates (its figures 5 and 6: causal forward 260 / 319 / 333 TFLOP/s at 1k /
+# 4k / 8k tokens, backward 260 / 310 / 318), which the torchtitan comparison priced before.
+_FLASH_FORWARD_H100 = ((1024, 208e12), (4096, 267e12), (8192, 285e12))
+FLASH_H100 = {
+    "forward": _FLASH_FORWARD_H100,
+    "forward_causal": _FLASH_FORWARD_H100,
+    "backward": ((1024, 165e12), (4096, 254e12), (8192, 296e12)),
+}

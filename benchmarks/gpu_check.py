@@ -41,6 +41,8 @@ others still run.
    recomputation): kernel time by phase (forward, or the autograd function whose backward
    ran it), aten op and input shapes, against the step's wall time; and the bandwidth of
    casts and copies (`copy_rates`: what autopar/measured.py keeps as COPY_H200).
+12. `power` (not in the default list; needs nvidia-smi): power draw and clocks while the GPU
+   runs bf16 products and plain eager steps for a few seconds each.
 """
 
 from __future__ import annotations
@@ -594,6 +596,62 @@ def layers_part(device, hw, small: bool) -> list[dict]:
     return rows
 
 
+# -- power ----------------------------------------------------------------------------------------
+def _sampled(work, device, seconds: float) -> dict:
+    """Run `work` back to back for `seconds` while nvidia-smi samples the GPU every 100 ms:
+    calls per second and the median power draw, SM and memory clocks of the samples."""
+    import subprocess
+    query = "power.draw,power.limit,clocks.sm,clocks.mem,temperature.gpu"
+    sync = device_sync(device)
+    work()
+    sync()
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits",
+                            "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        work()
+        sync()
+        calls += 1
+    elapsed = time.perf_counter() - start
+    smi.terminate()
+    rows = [[float(x) for x in line.split(",")] for line in smi.communicate()[0].splitlines()
+            if line.strip() and "N/A" not in line]
+    rows = rows[len(rows) // 5:]  # the first samples are of the start
+    med = [statistics.median(r[i] for r in rows) for i in range(5)] if rows else [math.nan] * 5
+    return {"calls_per_s": calls / elapsed, "samples": len(rows), "power_W": med[0],
+            "power_limit_W": med[1], "sm_MHz": med[2], "mem_MHz": med[3], "temp_C": med[4]}
+
+
+def power_part(device, hw, small: bool) -> list[dict]:
+    """What the GPU draws and at what clocks it runs sustained work: bf16 8192^3 products, and
+    forward + backward of the 8B-wide model with four layers in plain eager, each for a few
+    seconds (against an idle second). Whether a lower power limit (torchtitan's 500 W H100s)
+    binds for this work, and how far the clocks already drop at this GPU's limit."""
+    n = 512 if small else 8192
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+
+    def products():
+        for _ in range(20):
+            a @ b
+    ids = batch(small, device)
+    torch.manual_seed(0)
+    model = llama(4, small, device).to(torch.bfloat16)
+    rows = [{"work": "idle", **_sampled(lambda: time.sleep(0.05), device, 1.5)},
+            {"work": f"bf16 {n}^3 products x 20", **_sampled(products, device, 5.0)},
+            {"work": "eager 8B-wide step, 4 layers", **_sampled(eager_step(model, ids), device,
+                                                                 5.0)}]
+    rows[1]["tflops"] = 20 * 2 * n**3 * rows[1]["calls_per_s"] / 1e12
+    rows[2]["step_s"] = 1 / rows[2]["calls_per_s"]
+    print("\n## power and clocks under sustained work\n\n| work | rate | power W (limit) | "
+          "SM MHz | memory MHz | temp C |\n|---|---|---|---|---|---|")
+    for r in rows:
+        rate = (f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r else
+                f"{r['step_s']:.4f} s/step" if "step_s" in r else "")
+        print(f"| {r['work']} | {rate} | {r['power_W']:.0f} ({r['power_limit_W']:.0f}) | "
+              f"{r['sm_MHz']:.0f} | {r['mem_MHz']:.0f} | {r['temp_C']:.0f} |")
+    return rows
+
+
 # -- timeline -------------------------------------------------------------------------------------
 def _owner(event) -> str:
     """The autograd function whose backward ran `event`, or "forward"."""
@@ -640,20 +698,25 @@ def _kernel_table(step, device) -> dict:
 
 def copy_rates(device, small: bool) -> dict:
     """GB/s (bytes read + written) of casts and copies the cost model prices by their bytes,
-    over 2^28 elements: the faster of two medians of 10."""
+    over 2^28 elements, each writing into a tensor allocated before (as the device part's
+    copy): the faster of two medians of 10."""
     n = 2**20 if small else 2**28
-    x16 = torch.randn(n, device=device, dtype=torch.bfloat16)
-    x32 = torch.randn(n, device=device, dtype=torch.float32)
+    x16, y16 = (torch.randn(n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    x32, y32 = (torch.randn(n, device=device, dtype=torch.float32) for _ in range(2))
     wide = torch.randn(n // 128, 2, 64, device=device, dtype=torch.float32)
     half = wide[:, 0]
+    out_half = torch.empty(n // 128, 64, device=device, dtype=torch.float32)
+    out_wide = torch.empty(n // 64, 64, device=device, dtype=torch.float32)
     cos = torch.randn(1, 64, device=device, dtype=torch.float32)
     kv = torch.randn(n // 512, 1, 128, device=device, dtype=torch.bfloat16)
-    cases = {"copy bf16": (lambda: x16.clone(), 4 * n),
-             "copy fp32": (lambda: x32.clone(), 8 * n),
-             "cast bf16 -> fp32": (lambda: x16.float(), 6 * n),
-             "cast fp32 -> bf16": (lambda: x32.to(torch.bfloat16), 6 * n),
-             "mul strided half x broadcast (fp32)": (lambda: half * cos, 8 * n // 2),
-             "mul contiguous x broadcast (fp32)": (lambda: wide.view(-1, 64) * cos, 8 * n),
+    cases = {"copy bf16": (lambda: y16.copy_(x16), 4 * n),
+             "copy fp32": (lambda: y32.copy_(x32), 8 * n),
+             "cast bf16 -> fp32": (lambda: y32.copy_(x16), 6 * n),
+             "cast fp32 -> bf16": (lambda: y16.copy_(x32), 6 * n),
+             "mul strided half x broadcast (fp32)": (
+                 lambda: torch.mul(half, cos, out=out_half), 8 * n // 2),
+             "mul contiguous x broadcast (fp32)": (
+                 lambda: torch.mul(wide.view(-1, 64), cos, out=out_wide), 8 * n),
              "repeat_interleave 4 (bf16)": (lambda: kv.repeat_interleave(4, dim=1),
                                             2 * n // 4 + 2 * n)}
     rates = {}
@@ -722,6 +785,7 @@ def main() -> None:
         "recompute": lambda: recompute_part(device, hw, a.small),
         "layers": lambda: layers_part(device, hw, a.small),
         "timeline": lambda: timeline_part(device, hw, a.small),
+        "power": lambda: power_part(device, hw, a.small),
     }
     results = {"profile": hw.name}
     for name in a.parts.split(","):

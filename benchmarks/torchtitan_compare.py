@@ -41,23 +41,31 @@ import time
 import torch
 
 import autopar
-from autopar.hardware import FLASH_ATTENTION_2, GB, H100, GiB
+from autopar.hardware import GB, H100, GiB
+from autopar.measured import FLASH_H100
 from autopar.solver.ilp import NoFeasiblePlan
 from autopar.zoo import LLAMA3, Llama3, lm_loss
 
 SOURCE = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 
-# Grand Teton's H100: 96 GB of HBM2e at 2.4 TB/s, the SXM part's links; its peak is
-# "between SXM and NVL" (the source's footnote 2: the 500 W part's clocks): the midpoint of
-# the SXM's 989.4 and the NVL's 835.5 dense bf16 TFLOP/s (NVIDIA H100 datasheet). Attention
-# at FlashAttention-2's rates: the kernel SDPA's flash backend ran on H100s in torchtitan's
-# PyTorch of December 2024 (the built-in profile prices PyTorch 2.11's cuDNN kernel).
-PEAK_SHARE = (989.4 + 835.5) / 2 / 989.4
+# Grand Teton's H100: 96 GB of HBM2e at 2.4 TB/s, the SXM part's links, a 500 W power limit
+# (the source's footnote 2: its peak is "between SXM and NVL"). Its compute is priced from an
+# SXM H100 measured at its 700 W limit (gpu_check's `power` part, benchmarks/RESULTS.md "One
+# GPU, session 20"): an eager step of this model's layers draws 690 W there (so the limit
+# binds) at a 1,478 MHz SM clock, 132 W idle. A 500 W limit leaves (500 - 132) / (690 - 132)
+# of the dynamic power; with dynamic power ~ f V^2 and the voltage rising with the clock f
+# (DVFS), f ~ power^(1/3): products and attention at 0.870 of the measured 700 W rates
+# (0.812 if the voltage stayed put, f ~ power^(1/2)). Memory-bound ops at the HBM2e's rate.
+# Attention at SDPA's flash backend's rates measured on that H100 (FlashAttention-2: the kernel
+# it ran on H100s in torchtitan's PyTorch of December 2024; the built-in profile prices
+# PyTorch 2.11's cuDNN kernel), scaled as the products.
+STEP_POWER_W, IDLE_POWER_W, POWER_LIMIT_W = 690.0, 132.0, 500.0
+PEAK_SHARE = ((POWER_LIMIT_W - IDLE_POWER_W) / (STEP_POWER_W - IDLE_POWER_W)) ** (1 / 3)
 GRAND_TETON = dataclasses.replace(
     H100, name="h100-hbm2e-96gb-500w", memory_bandwidth=2.4e12, memory=96 * GB,
     flops={k: v * PEAK_SHARE for k, v in H100.flops.items()},
     attention={k: tuple((n, r * PEAK_SHARE) for n, r in v)
-               for k, v in FLASH_ATTENTION_2.items()})
+               for k, v in FLASH_H100.items()})
 PRODUCTS = ("linear", "mm", "matmul", "addmm", "bmm")
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +201,8 @@ def main() -> None:
                     help="plan the forced setups for time alone, not within the GPUs' memory")
     args = ap.parse_args()
     print(f"Source: {SOURCE}; hardware profile {GRAND_TETON.name} (the H100 profile with "
-          f"96 GB at 2.4 TB/s, {PEAK_SHARE:.3f} of its peak); bf16-mixed AdamW, sequence "
-          "8192.\n")
+          f"96 GB at 2.4 TB/s, compute at {PEAK_SHARE:.3f} of its measured 700 W rates); "
+          "bf16-mixed AdamW, sequence 8192.\n")
     print("| model | GPUs | setup | batch per dp rank | recompute | published tok/s/GPU | "
           "predicted | ratio | plan |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.calibrate import fit_link
 from autopar.hardware import GB, HardwareProfile, Link
+from autopar.measured import SDPA_H100
 from autopar.passes import strategies
 from autopar.passes.trace import trace_example
 from autopar.profile import OpProfiler
@@ -181,7 +182,7 @@ def test_gemm_efficiency_falls_for_small_and_skinny_shapes():
 
 
 def test_gemm_efficiency_follows_measured_shapes():
-    """With measured shares (the built-in H100 profile's, measured on an H200): a measured
+    """With measured shares (the built-in H100 profile's, measured on an H100): a measured
     shape prices at its measured share (its own weight dominates the interpolation), shapes
     between measured ones between theirs, and no shape above the peak."""
     h100 = autopar.H100
@@ -213,12 +214,13 @@ def test_attention_runs_at_its_fused_kernels_measured_rate():
         flops = 2 * 2 * 8 * seq * seq * 256 * 0.5
         return cost.compute_times(v, v.strategies[0]), flops
 
+    forward, backward = (dict(SDPA_H100[k]) for k in ("forward_causal", "backward"))
     (fwd, bwd), flops = priced(4096)
     launch = autopar.H100.launch
-    assert fwd == pytest.approx(flops / 587e12 + launch)
-    assert bwd == pytest.approx(2.5 * flops / 459e12 + launch)
+    assert fwd == pytest.approx(flops / forward[4096] + launch)
+    assert bwd == pytest.approx(2.5 * flops / backward[4096] + launch)
     (fwd_short, _), flops_short = priced(512)
-    assert flops_short / (fwd_short - launch) == pytest.approx(435e12 / 2)
+    assert flops_short / (fwd_short - launch) == pytest.approx(forward[1024] / 2)
 
 
 class _Attention(torch.nn.Module):
