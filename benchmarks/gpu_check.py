@@ -43,6 +43,9 @@ others still run.
    casts and copies (`copy_rates`: what autopar/measured.py keeps as COPY_H200).
 12. `power` (not in the default list; needs nvidia-smi): power draw and clocks while the GPU
    runs bf16 products and plain eager steps for a few seconds each.
+13. `titan` (not in the default list): torchtitan's 8B per-GPU step less FSDP, extrapolated
+   from 4 and 8 layers: plain eager with its op-level selective checkpointing and
+   FlashAttention-2.
 """
 
 from __future__ import annotations
@@ -596,6 +599,80 @@ def layers_part(device, hw, small: bool) -> list[dict]:
     return rows
 
 
+# -- titan ----------------------------------------------------------------------------------------
+_SAC_SAVE = {"mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "abs", "max"}
+
+
+def _op_sac_context():
+    """torchtitan's op-level selective checkpointing policy (its parallelize_llama.py,
+    December 2024): keep the outputs of the ops of its `_save_list` (matrix products, flash
+    and memory-efficient attention, abs, max), but only every second matrix product's;
+    recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if name == "mm":
+            counts[mode] += 1
+        keep = name in _SAC_SAVE and not (name == "mm" and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block run under torchtitan's op-level selective checkpointing."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.block, *args, use_reentrant=False, context_fn=_op_sac_context,
+                          preserve_rng_state=False)
+
+
+def titan_part(device, hw, small: bool) -> list[dict]:
+    """torchtitan's per-GPU 8B step as torchtitan runs it, less FSDP: plain PyTorch eager with
+    bf16 parameters, every block under its op-level selective checkpointing, SDPA's flash
+    backend (FlashAttention-2, as on H100s in December 2024), the loss on float32 logits; 4
+    and 8 layers at 2 x 8192 tokens, forward + backward, extrapolated to 32 layers. Without
+    checkpointing too (4 layers), for what the recomputation costs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    ids = batch(small, device)
+    rows = []
+    for layers in (4, 8):
+        torch.manual_seed(0)
+        model = llama(layers, small, device).to(torch.bfloat16)
+        plain = eager_step(model, ids)
+        model.layers = torch.nn.ModuleList(_Checkpointed(b) for b in model.layers)
+        sac = eager_step(model, ids)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            row = {"layers": layers, "op_sac_s": timed(sac, device, 2, 5)}
+            if layers == 4:
+                row["no_checkpoint_s"] = timed(plain, device, 2, 5)
+        if device.type == "cuda":
+            row["peak_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+        rows.append(row)
+        model = plain = sac = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+    four, eight = rows
+    per = (eight["op_sac_s"] - four["op_sac_s"]) / 4
+    rows.append({"layers": "per layer", "op_sac_s": per})
+    rows.append({"layers": 32, "op_sac_s": four["op_sac_s"] + 28 * per})
+    print("\n## torchtitan's step less FSDP: eager, op-level selective checkpointing, "
+          "FlashAttention-2\n\n| layers | op-SAC s | no checkpointing s |\n|---|---|---|")
+    for r in rows:
+        plain_s = f"{r['no_checkpoint_s']:.4f}" if "no_checkpoint_s" in r else ""
+        print(f"| {r['layers']} | {r['op_sac_s']:.4f} | {plain_s} |")
+    return rows
+
+
 # -- power ----------------------------------------------------------------------------------------
 def _sampled(work, device, seconds: float) -> dict:
     """Run `work` back to back for `seconds` while nvidia-smi samples the GPU every 100 ms:
@@ -786,6 +863,7 @@ def main() -> None:
         "layers": lambda: layers_part(device, hw, a.small),
         "timeline": lambda: timeline_part(device, hw, a.small),
         "power": lambda: power_part(device, hw, a.small),
+        "titan": lambda: titan_part(device, hw, a.small),
     }
     results = {"profile": hw.name}
     for name in a.parts.split(","):
