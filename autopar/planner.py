@@ -217,12 +217,13 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
         cost = priced.copy(reshard=resharding.choose(graph, priced, choice, ilp_budget,
                                                      mode if mode is not None else
                                                      (None if freed else False)))
-        plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
-                        options=options)
-        over = plan.cost.peak_memory - budget
-        if over <= budget * 1e-6:
+        memory = exact_memory(graph, cost, choice)  # a plan solved again is not described
+        over = sum(memory.values()) - budget
+        if over <= budget * 1e-6 or attempt == RESOLVES:
             break
         ilp_budget -= over / 2 if attempt == 0 else over
+    plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
+                    options=options, memory=memory)
     if plan.cost.peak_memory > budget * (1 + 1e-6):
         # the re-solves bring the exact peak within the budget: only the solver's numerics
         # can break this, and a plan over the budget must never reach the user as fitting
@@ -537,17 +538,27 @@ def profiler(profile):
     return profile
 
 
+def exact_memory(graph: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]
+                 ) -> dict[str, float]:
+    """Bytes per device by kind for a complete assignment of strategies, each kept storage
+    counted once (what `PlanCost.memory` holds; its sum is the plan's peak)."""
+    memory = memory_split(graph, cost, choice)
+    memory["activations"] += kept_once(graph, cost, choice)
+    return memory
+
+
 def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost: CostModel,
              choice: dict[str, Strategy], sol: Solution | None = None, *,
-             memory_budget: float | None = None, options: PlanOptions | None = None) -> Plan:
-    """The Plan for a complete assignment of strategies (from the solver or given)."""
+             memory_budget: float | None = None, options: PlanOptions | None = None,
+             memory: dict[str, float] | None = None) -> Plan:
+    """The Plan for a complete assignment of strategies (from the solver or given);
+    `memory`, when given, is its `exact_memory`."""
     index = {n: graph.nodes[n].strategies.index(s) for n, s in choice.items()}
     ops, collectives = [], []
     compute = forward = 0.0
     comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0,
                               "all_to_all": 0.0, "gradient_sync": 0.0}
-    memory = memory_split(graph, cost, choice)
-    memory["activations"] += kept_once(graph, cost, choice)
+    memory = dict(memory) if memory is not None else exact_memory(graph, cost, choice)
     side: dict[tuple[str, str], float] = defaultdict(float)  # (kind, pass): seconds beside
     for v in graph.nodes.values():
         s = choice[v.name]
