@@ -576,12 +576,22 @@ def layers_part(device, hw, small: bool) -> list[dict]:
         pmodel = autopar.parallelize(llama(layers, small), mesh, loss_fn=lm_loss,
                                      precision="bf16-mixed", recompute="selective",
                                      example_inputs=(ids, ids), progress=False, hardware=hw)
-        row = {"layers": layers, "predicted_s": pmodel.plan.cost.step_time}
+        row = {"layers": layers, "predicted_s": pmodel.plan.cost.step_time,
+               "predicted_GiB": pmodel.plan.cost.peak_memory / 2**30}
         for name, backend in (("default", None), ("flash", SDPBackend.FLASH_ATTENTION)):
             ctx = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
             with ctx:
                 row[f"{name}_s"] = timed(lambda pmodel=pmodel: pmodel.step(ids, ids), device,
                                          1, 5)
+        if device.type == "cuda":  # whether the caching allocator had to free and retry
+            stats = torch.cuda.memory_stats(device)
+            row.update(peak_GiB=stats["allocated_bytes.all.peak"] / 2**30,
+                       reserved_GiB=stats["reserved_bytes.all.peak"] / 2**30,
+                       alloc_retries=stats["num_alloc_retries"])
+            print(f"({layers} layers: peak {row['peak_GiB']:.1f} GiB allocated, "
+                  f"{row['reserved_GiB']:.1f} reserved, {row['alloc_retries']} allocator "
+                  f"retries; predicted {row['predicted_GiB']:.1f} GiB)")
+            torch.cuda.reset_peak_memory_stats(device)
         rows.append(row)
         pmodel = None
         if device.type == "cuda":
