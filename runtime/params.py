@@ -157,8 +157,9 @@ class ParameterStore:
 
     def compute(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
         """What a program takes for parameter `name`: its leaf, or under mixed precision the
-        leaf (the float32 master) cast to the compute `dtype`, once per step (autograd casts
-        the gradient back: it reaches the leaf in the master dtype)."""
+        leaf (the float32 master) cast to the compute `dtype`, once per program run: each
+        microbatch of a step (autograd casts the gradient back: it reaches the leaf in the
+        master dtype, where the microbatches' gradients add up)."""
         leaf = self.leaves[name]
         if dtype is None or not leaf.is_floating_point() or leaf.dtype == dtype:
             return leaf

@@ -322,9 +322,15 @@ class CostModel:
         need no gradient. Backward includes the forward once more for an op recomputed in
         backward (passes/recompute.py), and the sums of its outputs' gradients when several
         ops read them (solver/traffic.py). A parameter's are the casts of its float32 master
-        to the compute dtype and of its gradient back, under mixed precision."""
+        to the compute dtype and of its gradient back, under mixed precision, and its share of
+        adding each further microbatch's gradient into the one the step accumulates
+        (`grad_accumulation_seconds`: the step prices m microbatches as m times one)."""
         if node.kind == PARAM:
-            return self.master_cast_times(node, strategy.output)
+            fwd, bwd = self.master_cast_times(node, strategy.output)
+            if self.accumulation > 1 and node.requires_grad:
+                bwd += (self.accumulation - 1) / self.accumulation * \
+                    self.grad_accumulation_seconds(node, strategy.output, strategy.zero)
+            return fwd, bwd
         fwd, bwd = self._compute_times(node, strategy)
         mode = self.recompute.mode_of.get(node.name)
         if mode == "full" or mode == "selective" and not saved_under_selective(
@@ -336,8 +342,9 @@ class CostModel:
 
     def master_cast_times(self, node: SNode, storage: Placements) -> tuple[float, float]:
         """(forward, backward) seconds of a parameter's casts under mixed precision: its local
-        block of the float32 master to the compute dtype once per step (runtime/params.py), and
-        its gradient back (a widening cast); 0 without a master copy."""
+        block of the float32 master to the compute dtype for each microbatch
+        (runtime/params.py), and its gradient back (a widening cast); 0 without a master
+        copy."""
         master, compute = self.precision.master, self.precision.compute
         dtype = node.out_dtypes[0]
         if master is None or not dtype.is_floating_point or master == compute:
@@ -348,6 +355,17 @@ class CostModel:
         if not node.requires_grad:
             return fwd, 0.0
         return fwd, self.kernel_seconds(nbytes, widens=True) + self.hw.launch
+
+    def grad_accumulation_seconds(self, node: SNode, storage: Placements,
+                                  zero: int = 0) -> float:
+        """Seconds of adding one microbatch's gradient of a parameter into the gradient the
+        step accumulates (autograd's AccumulateGrad from the second microbatch on: read both,
+        write one), on the gradient as this rank keeps it (`param_memory_split`: whole, or
+        its ZeRO shard, in the master dtype under mixed precision). Measured on an H100: 2 x
+        8,192 tokens of an 8B-wide Llama with eight layers over two microbatches add 11 ms
+        for the second (benchmarks/RESULTS.md, "One GPU, session 20")."""
+        nbytes = self.param_memory_split(node, storage, zero)["gradients"]
+        return self.kernel_seconds(3 * nbytes) + self.hw.launch if nbytes else 0.0
 
     def kernel_seconds(self, nbytes: float, widens: bool = False,
                        broadcast: bool = False) -> float:

@@ -512,3 +512,30 @@ def test_mixed_precision_prices_the_master_weights_casts():
     assert cost.compute_times(weight, half) == pytest.approx(
         (moved / 2 + hw.launch, moved / 2 / hw.widening_efficiency + hw.launch))
     assert CostModel(mesh, graph=graph).compute_times(weight, whole) == (0.0, 0.0)
+
+
+def test_accumulation_prices_adding_each_microbatchs_gradient():
+    """A step over m microbatches adds m - 1 microbatches' gradients into the one it keeps
+    (read both, write one, on the gradient as the rank keeps it: float32 under bf16-mixed,
+    the ZeRO-2 shard); a step prices m microbatches as m times one, so each pays (m - 1) / m
+    of it. One microbatch adds nothing."""
+    model = MLP([512, 512, 512])
+    x, y = torch.randn(64, 512), torch.randint(0, 512, (64,))
+    graph = strategies.build(trace_example(model, (x, y), F.cross_entropy), (2,), zero=True)
+    hw = autopar.H100
+    mesh = autopar.MeshSpec((2,), hardware=hw)
+    weight = next(v for v in graph.nodes.values() if v.kind == "param"
+                  and v.out_shapes[0] == (512, 512))
+    whole = next(s for s in weight.strategies if all(p.is_replicate() for p in s.output)
+                 and not s.zero)
+    zero2 = next(s for s in weight.strategies if s.zero == 2)
+    add = 3 * 512 * 512 * 4 / (hw.memory_bandwidth * hw.memory_efficiency)
+
+    def backward(m, strategy, precision="fp32"):
+        return CostModel(mesh, graph=graph, precision=precision,
+                         accumulation=m).compute_times(weight, strategy)[1]
+    assert backward(1, whole) == 0.0
+    assert backward(4, whole) == pytest.approx(3 / 4 * (add + hw.launch))
+    assert backward(4, zero2) == pytest.approx(3 / 4 * (add / 2 + hw.launch))
+    assert backward(2, whole, "bf16-mixed") - backward(1, whole, "bf16-mixed") == \
+        pytest.approx(1 / 2 * (add + hw.launch))
