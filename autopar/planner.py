@@ -42,7 +42,7 @@ from autopar.solver.ilp import (
     random_choice,
     solve,
 )
-from autopar.solver.memory import kept_once, memory_split
+from autopar.solver.memory import exact_memory, node_infos
 
 from .collector import planning
 from .mesh import MeshSpec
@@ -187,13 +187,14 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     # The ILP's memory row counts a tensor kept by k ops as 1/k at each (linear in each
     # choice); the plan's reported memory counts each kept storage once (solver/memory.py
     # `kept_once`), more where some ops keep a tensor as produced and others a collective's
-    # copy of it. A plan over the budget by that count is solved again under the budget less
-    # half the difference, then less each further plan's whole difference: the difference is
-    # the plan's own, and a budget cut by all of it can rule out faster plans that fit (an
-    # 8B-shaped layer pair on (8, 8) under 2 GiB: 0.165 s at 1.92 GiB against 0.103 s at
-    # 1.98 GiB).
-    # The re-solves reuse the prices, and the plan without the budget (`fastest`) of the
-    # first solve.
+    # copy of it. The parameters kept gathered after forward are chosen by that exact count
+    # (solver/resharding.py), so only a plan over the budget with every gathered parameter
+    # freed is solved again: under the budget less half the difference, then less each
+    # further plan's whole difference: the difference is the plan's own, and a budget cut by
+    # all of it can rule out faster plans that fit (an 8B-shaped layer pair on (8, 8) under
+    # 2 GiB: 0.165 s at 1.92 GiB against 0.103 s at 1.98 GiB).
+    # The re-solves reuse the prices, and are solved under the budget at once (the budget
+    # binds: the plan before did not fit).
     ilp_budget, priced = budget, cost
     problem = priced_problem(graph, priced, clusters, forced, discouraged)
     fastest = fastest if fastest is not None else []
@@ -202,7 +203,8 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
             sol = solve(graph, priced, memory_budget=ilp_budget, backend=options.solver,
                         time_limit=options.time_limit, gap=PLAN_GAP, forced=forced,
                         discouraged=discouraged, clustering=clusters,
-                        unbounded_only=unbounded, fastest=fastest, problem=problem)
+                        unbounded_only=unbounded, fastest=fastest, problem=problem,
+                        binding=attempt > 0)
         except NoFeasiblePlan as e:
             if bounds is not None and e.bound is not None:
                 bounds.append(e.bound)
@@ -214,7 +216,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
         if bounds is not None and sol.bound is not None:
             bounds.append(sol.bound)
         choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
-        cost = priced.copy(reshard=resharding.choose(graph, priced, choice, ilp_budget,
+        cost = priced.copy(reshard=resharding.choose(graph, priced, choice, budget,
                                                      mode if mode is not None else
                                                      (None if freed else False)))
         memory = exact_memory(graph, cost, choice)  # a plan solved again is not described
@@ -257,7 +259,8 @@ def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
     r = derived(program, ("recompute", id(graph), mode, keep_user),
                 lambda: recompute_plan(program, graph, mode, keep_user=keep_user)) \
         if program.has_loss else NO_RECOMPUTE
-    cost = CostModel(mesh, options.optimizer, options.bucket_bytes, graph=graph,
+    info = derived(program, ("info", id(graph)), lambda: node_infos(graph))
+    cost = CostModel(mesh, options.optimizer, options.bucket_bytes, graph=graph, info=info,
                      precision=options.precision, recompute=r, reshard=frozenset(
                          n for n, v in graph.nodes.items() if v.kind == PARAM)
                      if frees_after_forward(options, reshard) else (),
@@ -269,9 +272,10 @@ def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
 
 def derived(program: TracedProgram, key: tuple, make):
     """`make()` once per `key` for the strategy graph `program` holds: what the levels of a
-    search derive alike from it (its clustering, each recomputation mode's plan), kept beside
-    it in `program.strategy_graphs` until another mesh's graph replaces it. `key` names the
-    graph by id (the graph lives as long as the entry)."""
+    search derive alike from it (its clustering, each recomputation mode's plan, its nodes'
+    analysis for the cost model), kept beside it in `program.strategy_graphs` until another
+    mesh's graph replaces it. `key` names the graph by id (the graph lives as long as the
+    entry)."""
     cache = program.strategy_graphs
     if key not in cache:
         cache[key] = make()
@@ -536,15 +540,6 @@ def profiler(profile):
         from .profile import OpProfiler
         return OpProfiler()
     return profile
-
-
-def exact_memory(graph: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]
-                 ) -> dict[str, float]:
-    """Bytes per device by kind for a complete assignment of strategies, each kept storage
-    counted once (what `PlanCost.memory` holds; its sum is the plan's peak)."""
-    memory = memory_split(graph, cost, choice)
-    memory["activations"] += kept_once(graph, cost, choice)
-    return memory
 
 
 def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost: CostModel,

@@ -239,7 +239,8 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
           discouraged: dict[str, list[int]] | None = None,
           clustering: Clustering | None = None, minimize: str = "time",
           unbounded_only: bool = False, exact_overlap: bool = False,
-          fastest: list[dict[str, int]] | None = None, problem=None) -> Solution:
+          fastest: list[dict[str, int]] | None = None, problem=None,
+          binding: bool = False) -> Solution:
     """Solve the intra-op ILP. `forced` restricts nodes to the listed strategy indices;
     `discouraged` strategies carry a penalty of PENALTY seconds each (reported objectives
     exclude it); `clustering` (passes.cluster) says which nodes share decisions.
@@ -263,7 +264,9 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     without it, and the bound it gives, are skipped).
 
     `problem`: the ILP's prices for these graph, cost, clustering, forced and discouraged
-    (`priced_problem`), to solve them again under another budget without pricing again."""
+    (`priced_problem`), to solve them again under another budget without pricing again.
+    `binding`: the caller knows the budget binds (a plan under a larger one did not fit):
+    solved under it at once, as when `fastest` shows it."""
     if minimize not in ("time", "memory"):
         raise ValueError(f"minimize must be 'time' or 'memory', not {minimize!r}")
     backend = backend.upper()
@@ -272,8 +275,8 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     c = clustering or identity(graph)
     if problem is None:
         problem = _owner_problem(graph, cost, c, forced, discouraged)
-    binds = bool(fastest) and not unbounded_only and memory_budget is not None and \
-        minimize == "time" and plan_memory(graph, cost, fastest[-1]) > memory_budget
+    binds = not unbounded_only and memory_budget is not None and minimize == "time" and (
+        binding or bool(fastest) and plan_memory(graph, cost, fastest[-1]) > memory_budget)
     return _solve(graph, cost, problem, c, memory_budget, backend, time_limit, gap, forced,
                   discouraged, minimize, unbounded_only, exact_overlap, binds=binds,
                   fastest=fastest)

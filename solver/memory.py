@@ -517,6 +517,16 @@ def kept_once(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]) -
     return cost.activation_factor * (sum(whole.values()) - shared)
 
 
+def exact_memory(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
+                 ) -> dict[str, float]:
+    """Bytes per device by kind for a complete assignment of strategies, each kept storage
+    counted once (`memory_split` plus `kept_once`; what a plan reports as its memory, whose
+    sum is its peak)."""
+    memory = memory_split(graph, cost, choice)
+    memory["activations"] += kept_once(graph, cost, choice)
+    return memory
+
+
 def in_flight(size: float, freed: bool) -> float:
     """Bytes of FSDP gathers in flight, on top of what autograd keeps, for a bucket of `size`
     gathered bytes (`freed`: its parameters are freed after forward and gathered again).

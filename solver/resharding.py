@@ -19,7 +19,7 @@ from autopar.passes.reshard import single_gather
 from autopar.passes.strategies import PARAM, Strategy, StrategyGraph
 
 from .cost import CostModel
-from .memory import memory_split
+from .memory import exact_memory
 
 
 def gathered_parameters(graph: StrategyGraph, choice: dict[str, Strategy]) -> list[str]:
@@ -59,7 +59,9 @@ def choose(graph: StrategyGraph, cost: CostModel, choice: dict[str, Strategy],
         return frozenset(p for p in params if rng.random() < 0.5)
     freed = cost.copy(reshard=frozenset(params))
     kept = cost.copy(reshard=frozenset())
-    peak = sum(memory_split(graph, freed, choice).values())
+    # the plan's exact peak with every gathered parameter freed (each kept storage once, as
+    # the plan reports it), so that what is kept gathered fits what the plan reports
+    peak = sum(exact_memory(graph, freed, choice).values())
     out = set(params)
     uses: dict[str, list[tuple]] = {p: [] for p in params}
     for v in graph.nodes.values():
