@@ -67,9 +67,12 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=Non
         if m not in traces:
             report("tracing the model" + (f" at 1/{m} of the batch" if m > 1 else ""))
             part = microbatch(call, m)
+            # the layers found copies at one batch (or being checked, the plan waiting for
+            # the check) are not checked again at another
+            copies = any(t.folded for t in traces.values())
             traces[m] = trace(model, part.args, loss_fn, part.target, kwargs=dict(part.kwargs),
                               output_loss="auto", device=device, compute_dtype=dtype,
-                              fold=not whole, beside=True, deferred=pending)
+                              fold=not whole, beside=True, deferred=pending, copies=copies)
         return traces[m]
 
     pipeline_trace = pipeline_tracer(model, example_inputs, loss_fn, device, dtype=dtype)

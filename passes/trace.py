@@ -161,7 +161,8 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
           kwargs: dict | None = None, output_loss: bool | str = False,
           device: torch.device | None = None,
           compute_dtype: torch.dtype | None = None, fold: bool = True,
-          beside: bool = False, deferred: list[Forked] | None = None) -> TracedProgram:
+          beside: bool = False, deferred: list[Forked] | None = None,
+          copies: bool = False) -> TracedProgram:
     """Trace `model(*example_inputs, **kwargs)` and its loss: `loss_fn(output, example_target)`
     when `loss_fn` is given, the loss the model returns when `output_loss` (True: it must
     return one; "auto": when it does).
@@ -184,6 +185,10 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
     still running when the two layers are exported is appended to it instead of waited for:
     the program returned is then valid only if its `result()` is True (layers that differ:
     trace again with `fold=False`), and the caller must call `result()` or `cancel()` on it.
+    With `copies` the caller knows the stack's layers to be copies (checked on this model at
+    another batch, or being checked with the caller waiting for that check): not checked.
+    Only the stack's first two layers are copied to fake tensors (the export's; the model's
+    parameter names come from `model`).
 
     Raises TraceError naming the model's source line for data-dependent control flow and
     data-dependent shapes, for inputs that are not tensors, for a loss that is not one scalar
@@ -205,8 +210,22 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
     device = torch.device(device)
     user_model, user_inputs, user_kwargs, user_target = \
         model, example_inputs, kwargs, example_target
+
+    def trace_whole() -> TracedProgram:  # every layer exported (the fake copy has two)
+        return trace(user_model, user_inputs, loss_fn, user_target, kwargs=user_kwargs,
+                     output_loss=output_loss, device=device, compute_dtype=compute_dtype,
+                     fold=False)
+
     mode = fake_mode()
-    model = fake_copy(model, mode, device, compute_dtype)
+    inner = layer_fold.repeated_layers(model) if fold else None
+    # a stack's first two layers are what export runs: a fake copy of every layer took 0.7 s
+    # of Llama-3 70B's 2 s of tracing
+    restore = layer_fold.cut(model, inner) if inner is not None else None
+    try:
+        model = fake_copy(model, mode, device, compute_dtype)
+    finally:
+        if restore is not None:
+            restore()
     example_inputs = tuple(_fake(t, mode, device) for t in example_inputs)
     kwargs = {k: _fake(t, mode, device) for k, t in kwargs.items()}
     example_target = _fake(example_target, mode, device)
@@ -219,20 +238,23 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
         if loss_fn is not None:
             args = (*example_inputs, example_target)
     watched = "" if root is not model else "model"
-    stack = layer_fold.repeated_layers(root) if fold else None
+    stack = None if inner is None else layer_fold.Stack(
+        ("model." if root is not model else "") + inner.path, inner.children)  # in `root`
     check = None
-    if stack is not None:
-        verdict = functools.partial(_fold_verdict, root, stack, args, kwargs, device,
-                                    watched)
+    if stack is not None and not copies:
+        whole = user_model if root is model else \
+            _Step(user_model, root.loss_fn, root.output_loss, compute_dtype)
+        verdict = functools.partial(_fold_verdict, whole, stack, args, kwargs, device,
+                                    watched, compute_dtype)
         if beside and len(stack.children) >= BESIDE_LAYERS and device.type == "cpu" and \
                 can_fork():
             check = Forked(verdict)  # the check runs beside the export of two layers
         elif not verdict():
-            stack = None
+            return trace_whole()
     try:
         try:
-            program = _program(_export(root, args, kwargs, watched, stack), root, model,
-                               loss_fn, stack, compute_dtype)
+            program = _program(_export(root, args, kwargs, watched, stack), root,
+                               user_model, loss_fn, stack, compute_dtype)
         except TraceError:
             if check is None or check.result():
                 raise
@@ -247,16 +269,15 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
         if check is not None:
             check.cancel()
     if program is None:  # the layers are not copies of each other: export them all
-        return trace(user_model, user_inputs, loss_fn, user_target, kwargs=user_kwargs,
-                     output_loss=output_loss, device=device, compute_dtype=compute_dtype,
-                     fold=False)
+        return trace_whole()
     return program
 
 
 def _program(ep, root: nn.Module, model: nn.Module, loss_fn, stack: layer_fold.Stack | None,
              compute_dtype: torch.dtype | None) -> TracedProgram:
-    """The traced program of `ep`, the export of `root` (`model`, or the _Step wrapping it),
-    cut to two layers of `stack` when given (copied here for the others)."""
+    """The traced program of `ep`, the export of `root` (a fake copy of `model`, or the _Step
+    wrapping one), cut to two layers of `stack` when given (copied here for the others);
+    parameters are named as in `model`."""
     gm = ep.graph_module
     _check_static_shapes(gm)
     if loss_fn is not None:
@@ -271,7 +292,7 @@ def _program(ep, root: nn.Module, model: nn.Module, loss_fn, stack: layer_fold.S
 
     canonical = {id(p): name for name, p in model.named_parameters()}
     with_loss = loss_fn is not None or (isinstance(root, _Step) and root.result.found)
-    prefix = "model." if root is not model else ""
+    prefix = "model." if isinstance(root, _Step) else ""
     params, buffers, inputs, constants = {}, {}, [], {}
     first_placeholder: dict[str, str] = {}  # tied weights: one placeholder per parameter
     for spec in ep.graph_signature.input_specs:
@@ -347,16 +368,17 @@ def _export(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack 
 
 
 def _fold_verdict(root: nn.Module, stack: layer_fold.Stack, args, kwargs, device,
-                  prefix: str) -> bool:
+                  prefix: str, compute_dtype: torch.dtype | None = None) -> bool:
     """Whether the records of the whole model and of the model cut to two layers say that
     copying layer 1 of the stack (passes/fold.py) gives every layer; raises TraceError when
     forward changes the model's Python state.
 
-    The records run on a copy of `root` under a fake mode without a shape environment (ops
+    The records run on a copy of `root` (its floating-point parameters in `compute_dtype`,
+    when given) under a fake mode without a shape environment (ops
     dispatch in about 0.6 of the time; what needs one, such as a size read from a tensor's
     values, fails the record and the model is exported whole)."""
     mode = static_fake_mode()
-    root = fake_copy(root, mode, device)
+    root = fake_copy(root, mode, device, compute_dtype)
     args, kwargs = tree_map(lambda t: _fake(t, mode, device), (args, kwargs))
     with SideEffectWatch(root, prefix=prefix) as watch:  # forward may change state: say so here
         full = layer_fold.record(root, stack, args, kwargs, mode)

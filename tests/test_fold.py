@@ -303,3 +303,27 @@ def test_a_forked_call_returns_raises_and_falls_back():
     waiting = Forked(lambda: time.sleep(60))
     waiting.cancel()
     assert waiting.pid is None
+
+
+def test_a_stack_found_copies_is_not_checked_again_at_another_batch(monkeypatch):
+    """Planning that splits the batch into microbatches traces the model at each size; the
+    layers' check runs at the first only (the same layers), and every trace is folded."""
+    monkeypatch.setattr(trace_module, "BESIDE_LAYERS", 100)  # checked in this process
+    checks = []
+    verdict = trace_module._fold_verdict
+    monkeypatch.setattr(trace_module, "_fold_verdict",
+                        lambda *a, **k: checks.append(1) or verdict(*a, **k))
+    torch.manual_seed(0)
+    model = _Sequential(8)
+    x, y = torch.randn(64, 8), torch.randn(64, 8)
+    folds: list = []
+    traced = api.trace
+    monkeypatch.setattr(api, "trace", lambda *a, **k: folds.append(k["fold"]) or
+                        traced(*a, **k))
+    # on one device: 25,664 bytes for the whole batch, 17,472 for two microbatches
+    plan = autopar.plan(model, autopar.MeshSpec((1,)), (x, y), loss_fn=F.mse_loss,
+                        memory_budget=20_000, recompute="none")
+    assert plan.accumulation == 2 and folds == [True, True] and checks == [1]
+    whole = trace(model, (x[:32],), F.mse_loss, y[:32], fold=False)
+    copied = trace(model, (x[:32],), F.mse_loss, y[:32], copies=True)
+    assert copied.folded and _signature(copied) == _signature(whole) and checks == [1]
