@@ -32,12 +32,15 @@ from autopar.solver.alternatives import alternatives, compact
 from autopar.solver.cost import CostModel, Split, step_seconds
 from autopar.solver.diagnose import infeasible
 from autopar.solver.ilp import (
+    Edge,
     NoFeasiblePlan,
     Solution,
     compute_floor,
+    edge_key,
     loss_sink_time,
     plan_split,
     plan_time,
+    price_key,
     priced_problem,
     random_choice,
     solve,
@@ -225,7 +228,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
             break
         ilp_budget -= over / 2 if attempt == 0 else over
     plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
-                    options=options, memory=memory)
+                    options=options, memory=memory, twin=clusters.twin)
     if plan.cost.peak_memory > budget * (1 + 1e-6):
         # the re-solves bring the exact peak within the budget: only the solver's numerics
         # can break this, and a plan over the budget must never reach the user as fitting
@@ -545,10 +548,28 @@ def profiler(profile):
 def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost: CostModel,
              choice: dict[str, Strategy], sol: Solution | None = None, *,
              memory_budget: float | None = None, options: PlanOptions | None = None,
-             memory: dict[str, float] | None = None) -> Plan:
+             memory: dict[str, float] | None = None,
+             twin: dict[str, str] | None = None) -> Plan:
     """The Plan for a complete assignment of strategies (from the solver or given);
-    `memory`, when given, is its `exact_memory`."""
+    `memory`, when given, is its `exact_memory`. Twins (`twin`: the clustering's, see
+    solver/ilp.py `price_key`) choosing alike are priced once, as in the ILP."""
     index = {n: graph.nodes[n].strategies.index(s) for n, s in choice.items()}
+    times: dict[tuple, tuple[float, float]] = {}  # by price key and strategy
+
+    def compute_times(v: SNode, s: Strategy) -> tuple[float, float]:
+        key = (price_key(cost, twin, v.name), index[v.name])
+        if key not in times:
+            times[key] = cost.compute_times(v, s)
+        return times[key]
+
+    moved: dict[tuple, list] = {}  # by edge key and placements
+
+    def edge_collectives(e: Edge, src, dst) -> list:
+        key = (edge_key(cost, twin, e), src, dst)
+        if key not in moved:
+            moved[key] = cost.edge_collectives(graph, graph.nodes[e.consumer], e.slot, src, dst)
+        return moved[key]
+
     ops, collectives = [], []
     compute = forward = 0.0
     comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0,
@@ -564,13 +585,13 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
                     side["gradient_sync", "backward"] += t
                 collectives.append(Collective(kind, k, nbytes, t, "gradient sync",
                                               program.params[v.name]))
-            fwd, bwd = cost.compute_times(v, s)  # mixed precision's casts
+            fwd, bwd = compute_times(v, s)  # mixed precision's casts
             compute += fwd + bwd
             forward += fwd
             continue
         if v.kind == INPUT:
             continue
-        fwd, bwd = cost.compute_times(v, s)
+        fwd, bwd = compute_times(v, s)
         ct = fwd + bwd
         compute += ct
         forward += fwd
@@ -581,7 +602,8 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
         for slot, (u, idx) in enumerate(v.inputs):
             src, dst = choice[u].out(idx), s.inputs[slot]
             beside = graph.nodes[u].kind == PARAM
-            for kind, k, nbytes, t, phase in cost.edge_collectives(graph, v, slot, src, dst):
+            for kind, k, nbytes, t, phase in edge_collectives(Edge(v.name, slot, u, idx),
+                                                              src, dst):
                 collectives.append(Collective(kind, k, nbytes, t, phase, v.name))
                 comm[kind] += t
                 if beside:
@@ -589,7 +611,7 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
     if graph.loss is not None:  # a loss that must be gathered (not a pending sum) costs here
         name, idx = graph.loss
         comm["all_gather"] += loss_sink_time(cost, graph.nodes[name], choice[name].out(idx), idx)
-    hidden = hidden_seconds(cost, plan_split(graph, cost, index), side)
+    hidden = hidden_seconds(cost, plan_split(graph, cost, index, twin), side)
     step_time = compute + sum(comm.values()) - sum(hidden.values())
     inputs = []
     for name in program.inputs[:len(program.inputs) - (1 if program.has_loss else 0)]:

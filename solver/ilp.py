@@ -100,16 +100,18 @@ class Solution:
 
 
 @dataclass
-class _Edge:
+class Edge:
+    """Input `slot` of node `consumer`, made by output `out_index` of `producer`."""
+
     consumer: str
     slot: int
     producer: str
     out_index: int | None
 
 
-def edges(graph: StrategyGraph) -> list[_Edge]:
+def edges(graph: StrategyGraph) -> list[Edge]:
     """Every tensor input of every node, as an edge from its producer."""
-    return [_Edge(v.name, i, u, idx) for v in graph.nodes.values()
+    return [Edge(v.name, i, u, idx) for v in graph.nodes.values()
             for i, (u, idx) in enumerate(v.inputs)]
 
 
@@ -135,7 +137,7 @@ def _node_prices(graph: StrategyGraph, cost: CostModel, twin: dict[str, str] | N
     out = {}
     priced: dict[tuple, list] = {}
     for v in graph.nodes.values():
-        key = _price_key(cost, twin, v.name)
+        key = price_key(cost, twin, v.name)
         if key not in priced:
             priced[key] = [price(v, s) for s in v.strategies]
         out[v.name] = priced[key]
@@ -173,21 +175,31 @@ def plan_time(graph: StrategyGraph, cost: CostModel, choice: dict[str, int]) -> 
     return step_seconds(plan_split(graph, cost, choice), cost.overlap, cost.edge_share())[0]
 
 
-def plan_split(graph: StrategyGraph, cost: CostModel, choice: dict[str, int]) -> Split:
+def plan_split(graph: StrategyGraph, cost: CostModel, choice: dict[str, int],
+               twin: dict[str, str] | None = None) -> Split:
     """The seconds of a complete assignment by where they run (cost.Split), summed: each
-    node's chosen strategy only, the loss's final resharding on the forward path."""
+    node's chosen strategy only, the loss's final resharding on the forward path. Twins
+    (`twin`, see `price_key`) choosing alike share their prices, as in the ILP."""
     total = NO_TIME
+    nodes: dict[tuple, Split] = {}
     for v in graph.nodes.values():
-        total = total.plus(cost.node_split(v, v.strategies[choice[v.name]]))
+        key = (price_key(cost, twin, v.name), choice[v.name])
+        if key not in nodes:
+            nodes[key] = cost.node_split(v, v.strategies[choice[v.name]])
+        total = total.plus(nodes[key])
     for name, idx in ([graph.loss] if graph.loss else []):
         v = graph.nodes[name]
         sink = loss_sink_time(cost, v, v.strategies[choice[name]].out(idx), idx)
         total = total.plus(Split(sink, 0.0, 0.0, 0.0))
+    moved: dict[tuple, Split] = {}
     for e in edges(graph):
         u, v = graph.nodes[e.producer], graph.nodes[e.consumer]
         src = u.strategies[choice[u.name]].out(e.out_index)
         dst = v.strategies[choice[v.name]].inputs[e.slot]
-        total = total.plus(cost.edge_split(graph, v, e.slot, src, dst))
+        key = (edge_key(cost, twin, e), src, dst)
+        if key not in moved:
+            moved[key] = cost.edge_split(graph, v, e.slot, src, dst)
+        total = total.plus(moved[key])
     return total
 
 
@@ -655,7 +667,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
     node_memory: dict[tuple, list[float]] = {}
     for v, o in c.owner.items():
         node = graph.nodes[v]
-        tw = _price_key(cost, c.twin, v)
+        tw = price_key(cost, c.twin, v)
         if tw not in node_memory:
             node_memory[tw] = [cost.node_memory(node, s) for s in node.strategies]
         allowed = set(forced[v]) if forced and v in forced else None
@@ -674,8 +686,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
     groups: dict[tuple, list] = {}  # edges between the same twins: [edge, count, twins' keys]
     bucket_of = use_groups(graph, cost.bucket_bytes)
     for e in edges(graph):
-        key = (c.twin_of(e.producer), e.out_index, c.twin_of(e.consumer), e.slot,
-               _recompute_key(cost, e.producer), _recompute_key(cost, e.consumer))
+        key = edge_key(cost, c.twin, e)
         if key not in groups:
             groups[key] = [e, 0, []]
         groups[key][1] += 1
@@ -762,11 +773,19 @@ def _recompute_key(cost: CostModel, v: str) -> tuple:
     return r.mode_of.get(v), v in r.transient
 
 
-def _price_key(cost: CostModel, twin: dict[str, str] | None, v: str) -> tuple:
+def price_key(cost: CostModel, twin: dict[str, str] | None, v: str) -> tuple:
     """Nodes with one key have the same prices: twins (identical nodes of repeated layers,
     `twin` maps a node to its earliest one) recomputed alike whose outputs as many ops read
     (the last layer's output is read by fewer: autograd sums fewer gradients)."""
     return (twin.get(v, v) if twin else v, _recompute_key(cost, v), cost.gradient_readers(v))
+
+
+def edge_key(cost: CostModel, twin: dict[str, str] | None, e: Edge) -> tuple:
+    """Edges with one key have the same prices at the same placements: between the same
+    twins (see `price_key`), recomputed alike."""
+    return (twin.get(e.producer, e.producer) if twin else e.producer, e.out_index,
+            twin.get(e.consumer, e.consumer) if twin else e.consumer, e.slot,
+            _recompute_key(cost, e.producer), _recompute_key(cost, e.consumer))
 
 
 def _add(costs: list[float], k: int, p: float) -> None:
