@@ -278,9 +278,6 @@ class CostModel:
         return graph.nodes[u].kind == PARAM and \
             single_gather(consumer.in_shapes[slot], src, dst, self.shape) is not None
 
-    def reshard_steps(self, shape, src, dst) -> list[Step]:
-        return plan_steps(shape, src, dst, self.shape)
-
     # -- compute -------------------------------------------------------------------------------
     def grad_inputs(self, node: SNode) -> tuple[bool, ...]:
         """Which inputs of `node` need a gradient (all floating-point ones without the graph)."""

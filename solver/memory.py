@@ -33,6 +33,7 @@ ZeRO setups in closed form.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -41,9 +42,9 @@ from typing import Any, Protocol
 import torch
 
 from autopar.passes.gathers import use_groups
-from autopar.passes.placement import local_shape
+from autopar.passes.placement import as_tuple, local_shape
 from autopar.passes.recompute import Recompute, saved_under_selective
-from autopar.passes.reshard import single_gather
+from autopar.passes.reshard import ReshardError, plan_steps, single_gather
 from autopar.passes.rules.registry import (
     SAVES_DIVISOR,
     SAVES_FIRST,
@@ -78,7 +79,6 @@ class Prices(Protocol):
     def dtype(self, dtype: torch.dtype) -> torch.dtype: ...
     def nbytes(self, shape, dtype: torch.dtype) -> int: ...
     def local_shapes(self, node: SNode, strategy: Strategy) -> tuple[list, list]: ...
-    def reshard_steps(self, shape, src, dst) -> list: ...
     def param_memory_split(self, node: SNode, storage, zero: int = 0) -> dict[str, float]: ...
     def activation_memory(self, node: SNode, strategy: Strategy) -> float: ...
     def edge_memory(self, graph: StrategyGraph, consumer: SNode, slot: int, src, dst
@@ -393,7 +393,22 @@ def _collective_output(cost: Prices, shape, src, dst):
     """The local shape the last collective of resharding `shape` from `src` to `dst` makes
     (a new tensor), or None when nothing is communicated (a local slice is a view); raises
     ValueError when there is no such resharding."""
-    steps = cost.reshard_steps(shape, src, dst) if src != dst else []
+    if src is dst or src == dst:
+        return None
+    moved = _moved(tuple(shape), as_tuple(src), as_tuple(dst), tuple(cost.shape))
+    if isinstance(moved, ReshardError):
+        raise ReshardError(*moved.args)
+    return moved
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _moved(shape: tuple[int, ...], src, dst, mesh_shape: tuple[int, ...]):
+    """`_collective_output` for hashable arguments, memoized (pricing a 70B-shaped model's
+    level asks it 30,000 times, of a few thousand reshardings), the ReshardError returned."""
+    try:
+        steps = plan_steps(shape, src, dst, mesh_shape)
+    except ReshardError as e:
+        return e
     collectives = [s for s in steps if s.kind != "slice"]
     return collectives[-1].out_shape if collectives else None
 
