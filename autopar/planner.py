@@ -221,8 +221,10 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
         choice = {n: graph.nodes[n].strategies[i] for n, i in sol.choice.items()}
         cost = priced.copy(reshard=resharding.choose(graph, priced, choice, budget,
                                                      mode if mode is not None else
-                                                     (None if freed else False)))
-        memory = exact_memory(graph, cost, choice)  # a plan solved again is not described
+                                                     (None if freed else False),
+                                                     twin=clusters.twin))
+        # a plan solved again is not described
+        memory = exact_memory(graph, cost, choice, clusters.twin)
         over = sum(memory.values()) - budget
         if over <= budget * 1e-6 or attempt == RESOLVES:
             break
@@ -574,7 +576,7 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
     compute = forward = 0.0
     comm: dict[str, float] = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0,
                               "all_to_all": 0.0, "gradient_sync": 0.0}
-    memory = dict(memory) if memory is not None else exact_memory(graph, cost, choice)
+    memory = dict(memory) if memory is not None else exact_memory(graph, cost, choice, twin)
     side: dict[tuple[str, str], float] = defaultdict(float)  # (kind, pass): seconds beside
     for v in graph.nodes.values():
         s = choice[v.name]

@@ -55,7 +55,7 @@ from autopar.passes.strategies import CONSTANT, OP, PARAM, SNode, StrategyGraph
 
 from . import mip
 from .cost import INFEASIBLE, NO_TIME, CostModel, Split, step_seconds
-from .memory import plan_memory
+from .memory import plan_memory, recompute_state
 
 SCALE = 1e6  # seconds -> microseconds inside the solver
 GIB = 1.0 / 2**30  # bytes -> GiB in the memory constraint and the least-memory objective
@@ -288,7 +288,7 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
     if problem is None:
         problem = _owner_problem(graph, cost, c, forced, discouraged)
     binds = not unbounded_only and memory_budget is not None and minimize == "time" and (
-        binding or bool(fastest) and plan_memory(graph, cost, fastest[-1]) > memory_budget)
+        binding or bool(fastest) and plan_memory(graph, cost, fastest[-1], c.twin) > memory_budget)
     return _solve(graph, cost, problem, c, memory_budget, backend, time_limit, gap, forced,
                   discouraged, minimize, unbounded_only, exact_overlap, binds=binds,
                   fastest=fastest)
@@ -453,7 +453,7 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
         def fits(better: Solution | None) -> bool:
             return better is not None and (
                 memory_budget is None or memory_budget == float("inf") or
-                plan_memory(graph, cost, better.choice) <= memory_budget)
+                plan_memory(graph, cost, better.choice, c.twin) <= memory_budget)
 
         best = sol
         if prog.num_variables <= EXACT_VARIABLES:
@@ -495,7 +495,7 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
         bound = lower_bound(sol)
         if fastest is not None:
             fastest.append(sol.choice)
-        peak = plan_memory(graph, cost, sol.choice)
+        peak = plan_memory(graph, cost, sol.choice, c.twin)
         if peak <= memory_budget:
             return bounded(refined(sol, False), bound)
     if unbounded_only:
@@ -511,7 +511,7 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
              upper=memory_budget * GIB)
     try:
         sol = run()
-        over = plan_memory(graph, cost, sol.choice) - memory_budget
+        over = plan_memory(graph, cost, sol.choice, c.twin) - memory_budget
         if over > 0 and not sol.status.startswith("greedy"):
             # The solver accepts rows violated within its feasibility tolerance (HiGHS: 1e-7
             # in the row's units): on a budget of a few MB a plan 256 bytes over it came
@@ -767,18 +767,11 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
                          [b[6] for b in merged] if overlap else None)
 
 
-def _recompute_key(cost: CostModel, v: str) -> tuple:
-    """What of a node's recomputation changes its prices: its mode, and whether it is in the
-    block priced as live again (passes/recompute.py)."""
-    r = cost.recompute
-    return r.mode_of.get(v), v in r.transient
-
-
 def price_key(cost: CostModel, twin: dict[str, str] | None, v: str) -> tuple:
     """Nodes with one key have the same prices: twins (identical nodes of repeated layers,
     `twin` maps a node to its earliest one) recomputed alike whose outputs as many ops read
     (the last layer's output is read by fewer: autograd sums fewer gradients)."""
-    return (twin.get(v, v) if twin else v, _recompute_key(cost, v), cost.gradient_readers(v))
+    return (twin.get(v, v) if twin else v, recompute_state(cost, v), cost.gradient_readers(v))
 
 
 def edge_key(cost: CostModel, twin: dict[str, str] | None, e: Edge) -> tuple:
@@ -786,7 +779,7 @@ def edge_key(cost: CostModel, twin: dict[str, str] | None, e: Edge) -> tuple:
     twins (see `price_key`), recomputed alike."""
     return (twin.get(e.producer, e.producer) if twin else e.producer, e.out_index,
             twin.get(e.consumer, e.consumer) if twin else e.consumer, e.slot,
-            _recompute_key(cost, e.producer), _recompute_key(cost, e.consumer))
+            recompute_state(cost, e.producer), recompute_state(cost, e.consumer))
 
 
 def _add(costs: list[float], k: int, p: float) -> None:

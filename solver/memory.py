@@ -455,27 +455,27 @@ def parameter_bytes(cost: Prices, node: SNode, storage, zero: int = 0) -> dict[s
             "optimizer": float(shard * master.itemsize * opt.states + opt.scalar_bytes)}
 
 
-def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
-                 ) -> dict[str, float]:
+def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy],
+                 twin: dict[str, str] | None = None) -> dict[str, float]:
     """Bytes per device of a complete assignment, by kind (KINDS; "recomputed" only when
     something recomputes, "gathered" only when FSDP gathers parameters, "workspace" only when
     a loss's backward allocates gradient buffers at the peak); sums to the ILP's
     memory, but for "gathered": the ILP counts the largest parameter gathered, this its
-    bucket (`gathered_bytes`)."""
+    bucket (`gathered_bytes`). Twins (`twin`: a folded node -> its first layer's, as the
+    clustering has them) alike (`alike`) are counted once each, as in the ILP."""
     out = dict.fromkeys(KINDS, 0.0)
+    shared: dict[tuple, tuple] = {}
     for v in graph.nodes.values():
         s = choice[v.name]
-        if v.kind == PARAM:
-            for k, b in cost.param_memory_split(v, s.output, s.zero).items():
-                out[k] += b
-        act = cost.activation_memory(v, s) + sum(
-            cost.edge_memory(graph, v, slot, choice[u].out(idx), s.inputs[slot])
-            for slot, (u, idx) in enumerate(v.inputs))
-        # the block backward recomputes, live again at the peak, apart from what forward keeps
-        again = relived_bytes(cost, graph, v, s, [
-            (tuple(choice[u].out(idx)), tuple(s.inputs[slot]))
-            for slot, (u, idx) in enumerate(v.inputs)])
-        work = workspace_bytes(cost, v, s)
+        key = alike(cost, twin, v, s, choice) if twin else None
+        got = shared.get(key) if key is not None else None
+        if got is None:
+            got = _node_split(graph, cost, v, s, choice)
+            if key is not None:
+                shared[key] = got
+        params, act, again, work = got
+        for k, b in params:
+            out[k] += b
         out["activations"] += act - again - work
         out["recomputed"] += again
         out["workspace"] += work
@@ -484,6 +484,40 @@ def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
         if not out[kind]:
             del out[kind]
     return out
+
+
+def _node_split(graph: StrategyGraph, cost: Prices, v: SNode, s: Strategy,
+                choice: dict[str, Strategy]) -> tuple:
+    """What `v` at `s` adds to `memory_split`: (its parameter's bytes by kind, as pairs),
+    activation bytes with its inputs', the part of them live again, workspace bytes."""
+    params = tuple(cost.param_memory_split(v, s.output, s.zero).items()) \
+        if v.kind == PARAM else ()
+    act = cost.activation_memory(v, s) + sum(
+        cost.edge_memory(graph, v, slot, choice[u].out(idx), s.inputs[slot])
+        for slot, (u, idx) in enumerate(v.inputs))
+    # the block backward recomputes, live again at the peak, apart from what forward keeps
+    again = relived_bytes(cost, graph, v, s, [
+        (tuple(choice[u].out(idx)), tuple(s.inputs[slot]))
+        for slot, (u, idx) in enumerate(v.inputs)])
+    return params, act, again, workspace_bytes(cost, v, s)
+
+
+def recompute_state(cost: Prices, name: str) -> tuple:
+    """What of a node's recomputation changes its prices: its mode, and whether it is in the
+    block priced as live again (passes/recompute.py)."""
+    r = cost.recompute
+    return r.mode_of.get(name), name in r.transient
+
+
+def alike(cost: Prices, twin: dict[str, str], v: SNode, s: Strategy,
+          choice: dict[str, Strategy]) -> tuple:
+    """Nodes of one key keep the same bytes (`memory_split`): twins (identical nodes of
+    repeated layers; `twin` maps a node to its first layer's) at the same strategy,
+    recomputed alike, whose inputs come from twins alike at the same placements (a
+    parameter's freed after forward or not)."""
+    return (twin.get(v.name, v.name), recompute_state(cost, v.name), s.inputs, s.output,
+            s.zero, tuple((twin.get(u, u), idx, choice[u].out(idx), u in cost.reshard,
+                           recompute_state(cost, u)) for u, idx in v.inputs))
 
 
 def kept_once(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]) -> float:
@@ -532,12 +566,12 @@ def kept_once(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]) -
     return cost.activation_factor * (sum(whole.values()) - shared)
 
 
-def exact_memory(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
-                 ) -> dict[str, float]:
+def exact_memory(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy],
+                 twin: dict[str, str] | None = None) -> dict[str, float]:
     """Bytes per device by kind for a complete assignment of strategies, each kept storage
     counted once (`memory_split` plus `kept_once`; what a plan reports as its memory, whose
-    sum is its peak)."""
-    memory = memory_split(graph, cost, choice)
+    sum is its peak); `twin` as for memory_split."""
+    memory = memory_split(graph, cost, choice, twin)
     memory["activations"] += kept_once(graph, cost, choice)
     return memory
 
@@ -583,11 +617,12 @@ def gathered_bytes(graph: StrategyGraph, cost: Prices, choice: dict[str, Strateg
     return max((in_flight(b, j in freed) for j, b in size.items()), default=0.0)
 
 
-def plan_memory(graph: StrategyGraph, cost: Prices, choice: dict[str, int]) -> float:
+def plan_memory(graph: StrategyGraph, cost: Prices, choice: dict[str, int],
+                twin: dict[str, str] | None = None) -> float:
     """Bytes per device of a complete assignment (strategy index per node): the memory
-    constraint's left-hand side evaluated directly."""
+    constraint's left-hand side evaluated directly; `twin` as for memory_split."""
     return sum(memory_split(graph, cost, {n: graph.nodes[n].strategies[k]
-                                          for n, k in choice.items()}).values())
+                                          for n, k in choice.items()}, twin).values())
 
 
 # -- the standard setups in closed form ---------------------------------------------------------

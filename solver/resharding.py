@@ -46,10 +46,12 @@ def _kept_gathered(graph: StrategyGraph, cost: CostModel, choice: dict[str, Stra
 
 def choose(graph: StrategyGraph, cost: CostModel, choice: dict[str, Strategy],
            budget: float | None, mode: bool | None,
-           rng: random.Random | None = None) -> frozenset[str]:
+           rng: random.Random | None = None,
+           twin: dict[str, str] | None = None) -> frozenset[str]:
     """The parameters whose gathered copies are freed after forward, for the placements
     `choice`: every gathered one (`mode` True), none (False), or (None) all but those kept
-    gathered within `budget`, last used first; with `rng` (random plans), a random subset."""
+    gathered within `budget`, last used first; with `rng` (random plans), a random subset.
+    `twin`: the clustering's (solver/memory.py `memory_split`)."""
     params = gathered_parameters(graph, choice)
     if mode is False or not params:
         return frozenset()
@@ -61,7 +63,7 @@ def choose(graph: StrategyGraph, cost: CostModel, choice: dict[str, Strategy],
     kept = cost.copy(reshard=frozenset())
     # the plan's exact peak with every gathered parameter freed (each kept storage once, as
     # the plan reports it), so that what is kept gathered fits what the plan reports
-    peak = sum(exact_memory(graph, freed, choice).values())
+    peak = sum(exact_memory(graph, freed, choice, twin).values())
     out = set(params)
     uses: dict[str, list[tuple]] = {p: [] for p in params}
     for v in graph.nodes.values():
