@@ -2,8 +2,9 @@
 older commit), for baselines measured in the same minutes as the new code:
 
     git worktree add /tmp/old <commit>
-    python benchmarks/at_checkout.py /tmp/old /tmp/old/benchmarks/planning_time.py --search 70b:80:1024
     python benchmarks/at_checkout.py /tmp/old benchmarks/plan_once.py 70b 80
+    python benchmarks/at_checkout.py /tmp/old /tmp/old/benchmarks/planning_time.py \
+        --search 70b:80:1024
 
 autopar is installed editable from this checkout, with its subpackages mapped from the
 top-level passes/, solver/ and runtime/ folders; this points that mapping, and the import
