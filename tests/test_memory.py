@@ -387,12 +387,11 @@ def test_a_peak_the_loss_dominates_is_reported_as_activations():
     assert "workspace" in message
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_twins_alike_are_counted_once_to_the_same_bytes(recompute):
+def test_twins_alike_are_counted_once_to_the_same_bytes():
     """The memory of a plan with identical layers (folded, their nodes twins) counted once per
     twin alike, as the ILP counts it, is the memory counted node by node: for plans whose
-    twins choose alike (as the solver's do), some parameters freed after forward and some
-    not (twins that differ there are not alike)."""
+    twins choose alike (as the solver's do), without recomputation, selective and full, some
+    parameters freed after forward and some not (twins that differ there are not alike)."""
     import random
 
     from autopar import planner
@@ -405,15 +404,17 @@ def test_twins_alike_are_counted_once_to_the_same_bytes(recompute):
     program = trace(model, example[:-1], loss_fn, example[-1])
     assert program.folded
     spec = autopar.MeshSpec((2, 2), hardware="cpu")
-    graph, cost = planner.priced_level(program, spec, PlanOptions(), recompute, True)
-    twin = planner.clustered(program, graph).twin
-    assert twin
     rng = random.Random(0)
-    for _ in range(4):
-        drawn = random_choice(graph, cost, rng)
-        choice = {n: graph.nodes[n].strategies[drawn[twin.get(n, n)]] for n in drawn}
-        freed = cost.copy(reshard=frozenset(p for p in sorted(cost.reshard)
-                                            if rng.random() < 0.5))
-        each, once = memory_split(graph, freed, choice), memory_split(graph, freed, choice, twin)
-        assert each.keys() == once.keys()
-        assert all(once[k] == pytest.approx(each[k], rel=1e-12) for k in each)
+    for recompute in ("none", "selective", "full"):
+        graph, cost = planner.priced_level(program, spec, PlanOptions(), recompute, True)
+        twin = planner.clustered(program, graph).twin
+        assert twin
+        for _ in range(3):
+            drawn = random_choice(graph, cost, rng)
+            choice = {n: graph.nodes[n].strategies[drawn[twin.get(n, n)]] for n in drawn}
+            freed = cost.copy(reshard=frozenset(p for p in sorted(cost.reshard)
+                                                if rng.random() < 0.5))
+            each = memory_split(graph, freed, choice)
+            once = memory_split(graph, freed, choice, twin)
+            assert each.keys() == once.keys()
+            assert all(once[k] == pytest.approx(each[k], rel=1e-12) for k in each)

@@ -175,15 +175,14 @@ def test_parameters_kept_gathered_fit_by_the_exact_count(monkeypatch, llama8b_pa
     count allows and the plan went over it by the difference: re-solving the placements
     changed nothing (5 solves, still over after the last: an error; under 6.35 GiB, 3)."""
     from autopar.options import PlanOptions
-    from autopar.planner import solve_plan
+    from autopar.planner import choice_from_plan, solve_plan
+    from autopar.solver.resharding import gathered_parameters
 
-    spec = autopar.MeshSpec((8, 8), hardware="h100")
-    every = solve_plan(llama8b_pair, spec, PlanOptions(memory_budget=float("inf"),
-                                                       reshard_after_forward=True))[0]
     _, solves = _counted_solves(monkeypatch)
     budget = 6.45 * 2**30
-    plan, _ = solve_plan(llama8b_pair, spec, PlanOptions(memory_budget=budget),
-                         recompute="none", reshard=True)
+    plan, graph = solve_plan(llama8b_pair, autopar.MeshSpec((8, 8), hardware="h100"),
+                             PlanOptions(memory_budget=budget), recompute="none", reshard=True)
     assert len(solves) == 1
     assert budget * 0.99 < plan.cost.peak_memory <= budget
-    assert 0 < len(plan.resharded) < len(every.resharded)
+    gathered = gathered_parameters(graph, choice_from_plan(plan, graph))
+    assert 0 < len(plan.resharded) < len(gathered)
