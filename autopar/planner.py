@@ -199,9 +199,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     # The re-solves reuse the prices, and are solved under the budget at once (the budget
     # binds: the plan before did not fit).
     ilp_budget, priced = budget, cost
-    # (a level solved without its budget only needs no bytes priced: its plan is measured)
-    problem = priced_problem(graph, priced, clusters, forced, discouraged,
-                             with_memory=not unbounded)
+    problem = priced_problem(graph, priced, clusters, forced, discouraged)
     fastest = fastest if fastest is not None else []
     for attempt in range(RESOLVES + 1):
         try:

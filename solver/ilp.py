@@ -308,9 +308,6 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
     1: every side second, as if nothing overlapped). With `binds` the budget is known to
     bind (a re-solve after the fastest plan did not fit): solved under it at once."""
     by_memory = minimize == "memory"
-    if by_memory and not problem.with_memory:
-        raise ValueError("minimizing memory needs the problem's bytes priced (priced_problem's "
-                         "with_memory)")
     scale = GIB if by_memory else SCALE  # GiB or microseconds inside the solver
     start = time.perf_counter()
     prog = mip.Program()
@@ -505,9 +502,6 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
         raise NoFeasiblePlan(f"the fastest plan ({peak / 2**30:.3f} GiB per device) does not "
                              f"fit the budget of {memory_budget / 2**30:.3f} GiB",
                              "activations", True, bound)
-    if not problem.with_memory:
-        raise ValueError("a solve under a memory budget needs the problem's bytes priced "
-                         "(priced_problem's with_memory)")
     memory_row = prog.num_constraints
     prog.row([(x[o][k], m * GIB) for o, ms in problem.memory.items()
               for k, m in enumerate(ms) if m]
@@ -649,23 +643,18 @@ class _OwnerProblem:
     # with overlap (cost.overlap): node_cost and edge prices by where they run (cost.Split)
     node_split: dict[str, list[Split]] | None = None
     edge_split: list[dict] | None = None
-    with_memory: bool = True  # False: bytes not priced (all 0), for solves without a budget
 
 
 def priced_problem(graph: StrategyGraph, cost: CostModel, clustering: Clustering | None = None,
                    forced: dict[str, list[int]] | None = None,
-                   discouraged: dict[str, list[int]] | None = None,
-                   with_memory: bool = True) -> _OwnerProblem:
+                   discouraged: dict[str, list[int]] | None = None) -> _OwnerProblem:
     """The ILP's prices (`solve`'s `problem`): every owner's and edge block's seconds and
-    bytes, priced once for solves under several budgets. Without `with_memory` the bytes are
-    not priced (a third of the work): for solves without a budget, or with `unbounded_only`
-    (whose plans are measured by solver/memory.py, not by these prices)."""
-    return _owner_problem(graph, cost, clustering or identity(graph), forced, discouraged,
-                          with_memory)
+    bytes, priced once for solves under several budgets."""
+    return _owner_problem(graph, cost, clustering or identity(graph), forced, discouraged)
 
 
 def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
-                   discouraged, with_memory: bool = True) -> _OwnerProblem:
+                   discouraged) -> _OwnerProblem:
     """Aggregate node and edge costs onto owners. Repeated layers are priced once: a node
     shares its twin's prices and edges between the same twins are priced once and counted."""
     overlap = cost.overlap
@@ -681,8 +670,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
         node = graph.nodes[v]
         tw = price_key(cost, c.twin, v)
         if tw not in node_memory:
-            node_memory[tw] = [cost.node_memory(node, s) if with_memory else 0.0
-                               for s in node.strategies]
+            node_memory[tw] = [cost.node_memory(node, s) for s in node.strategies]
         allowed = set(forced[v]) if forced and v in forced else None
         penalized = set(discouraged.get(v, ())) if discouraged else set()
         for k, j in enumerate(c.index[v]):
@@ -697,13 +685,13 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
     # placements become RULED_OUT and are not priced (most of the pricing of a forced plan).
     live = {o: [p != INFEASIBLE for p in costs] for o, costs in node_cost.items()}
     groups: dict[tuple, list] = {}  # edges between the same twins: [edge, count, twins' keys]
-    bucket_of = use_groups(graph, cost.bucket_bytes) if with_memory else {}
+    bucket_of = use_groups(graph, cost.bucket_bytes)
     for e in edges(graph):
         key = edge_key(cost, c.twin, e)
         if key not in groups:
             groups[key] = [e, 0, []]
         groups[key][1] += 1
-        if graph.nodes[e.producer].kind == PARAM and with_memory:
+        if graph.nodes[e.producer].kind == PARAM:
             groups[key][2].append(bucket_of[(e.consumer, e.slot)])
     buckets: dict[int, list[tuple]] = defaultdict(list)
     blocks: list[tuple[str, str, list, list, dict]] = []
@@ -725,7 +713,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
             return (p if p == INFEASIBLE else p * count), NO_TIME.plus(sp, count)
 
         def kept(a, b, v=v, e=e, count=count):  # bytes autograd keeps of the edge's tensor
-            if a is RULED_OUT or b is RULED_OUT or not with_memory:
+            if a is RULED_OUT or b is RULED_OUT:
                 return 0.0
             return cost.edge_memory(graph, v, e.slot, a, b) * count
 
@@ -776,7 +764,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
              for _, bucket in sorted(buckets.items())]
     return _OwnerProblem(node_cost, memory, [b[:5] for b in merged], [b[5] for b in merged],
                          terms, node_split if overlap else None,
-                         [b[6] for b in merged] if overlap else None, with_memory)
+                         [b[6] for b in merged] if overlap else None)
 
 
 def price_key(cost: CostModel, twin: dict[str, str] | None, v: str) -> tuple:
