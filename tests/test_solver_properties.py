@@ -23,11 +23,10 @@ from tests.models import MLP
 LIMIT = 60_000  # assignments enumerated at most per example
 
 
-def brute_force(graph, cost) -> float:
-    """The cheapest complete assignment, by enumeration: each one's prices summed by where
-    they run (compute path or beside it, cost.Split) and made a step (cost.step_seconds)."""
+def _tables(graph, cost):
+    """The node names, each node's prices by strategy, the edges and each edge's prices by
+    (producer strategy, consumer strategy), keyed by id(edge)."""
     names = list(graph.nodes)
-    t = node_splits(graph, cost)
     es = edges(graph)
     table = {}
     for e in es:
@@ -35,19 +34,47 @@ def brute_force(graph, cost) -> float:
         table[id(e)] = [[cost.edge_split(graph, v, e.slot, su.out(e.out_index),
                                          sv.inputs[e.slot]) for sv in v.strategies]
                         for su in u.strategies]
-    best = INFEASIBLE
+    return names, node_splits(graph, cost), es, table
+
+
+def _combos(graph, names):
     for combo in itertools.product(*(range(len(graph.nodes[n].strategies)) for n in names)):
-        choice = dict(zip(names, combo))
-        total = NO_TIME
-        for n in names:
-            total = total.plus(t[n][choice[n]])
-        for e in es:
-            total = total.plus(table[id(e)][choice[e.producer]][choice[e.consumer]])
-            if total.forward + total.backward >= best:  # a step is never shorter
-                break
-        else:
+        yield dict(zip(names, combo))
+
+
+def _summed(tables, choice, bound=None):
+    """The prices of `choice` summed (a cost.Split), or None once the passes alone reach
+    `bound` (a step is never shorter)."""
+    names, t, es, table = tables
+    total = NO_TIME
+    for n in names:
+        total = total.plus(t[n][choice[n]])
+    for e in es:
+        total = total.plus(table[id(e)][choice[e.producer]][choice[e.consumer]])
+        if bound is not None and total.forward + total.backward >= bound:
+            return None
+    return total
+
+
+def brute_force(graph, cost) -> float:
+    """The cheapest complete assignment, by enumeration: each one's prices summed by where
+    they run (compute path or beside it, cost.Split) and made a step (cost.step_seconds)."""
+    tables = _tables(graph, cost)
+    best = INFEASIBLE
+    for choice in _combos(graph, tables[0]):
+        total = _summed(tables, choice, best)
+        if total is not None:
             best = min(best, step_seconds(total, cost.overlap, cost.edge_share())[0])
     return best
+
+
+def priced_assignments(graph, cost) -> list[tuple[float, dict]]:
+    """Every complete assignment with its step (priced as brute_force prices them), fastest
+    first."""
+    tables = _tables(graph, cost)
+    steps = [(step_seconds(_summed(tables, choice), cost.overlap, cost.edge_share())[0], choice)
+             for choice in _combos(graph, tables[0])]
+    return sorted(steps, key=lambda tc: tc[0])
 
 
 @st.composite
@@ -102,12 +129,9 @@ def test_ilp_optimum_under_a_budget_equals_brute_force(width, batch, mesh, share
     least = solve(graph, cost, minimize="memory").objective
     fastest = plan_memory(graph, cost, solve(graph, cost).choice)
     budget = least + share * (fastest - least)
-    best = INFEASIBLE
-    for combo in itertools.product(*(range(len(v.strategies)) for v in graph.nodes.values())):
-        choice = dict(zip(graph.nodes, combo))
-        t = plan_time(graph, cost, choice)
-        if t < best and plan_memory(graph, cost, choice) <= budget:
-            best = t
+    # the fastest assignment that fits: the first in order of step that does
+    best = next((t for t, choice in priced_assignments(graph, cost)
+                 if plan_memory(graph, cost, choice) <= budget), INFEASIBLE)
     sol = solve(graph, cost, memory_budget=budget)
     assert plan_memory(graph, cost, sol.choice) <= budget
     assert sol.objective == pytest.approx(best, rel=1e-5)
