@@ -28,11 +28,18 @@ a tiny example, so a PyTorch release that changes one fails there, loudly, by na
 - `outside_dispatch_modes()`: runs what it wraps without the active `TorchDispatchMode`s
   (`torch.utils._python_dispatch._disable_current_modes`): selective checkpoint's recompute
   mode refuses any op its forward did not run, such as gathering a parameter again.
+- `innermost_stack_traces()`: while tracing, FX records on each node only the innermost
+  frame outside PyTorch (what autopar reads of a node's `stack_trace`) instead of
+  symbolizing and formatting the whole Python stack (torch.fx.proxy's `CapturedTraceback`,
+  replaced while tracing).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -200,3 +207,69 @@ def outside_dispatch_modes():
     """A context in which no `TorchDispatchMode` is active (those active are restored after)."""
     from torch.utils._python_dispatch import _disable_current_modes
     return _disable_current_modes()
+
+
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+@contextlib.contextmanager
+def innermost_stack_traces():
+    """Within: FX nodes record as their `stack_trace` only the frame autopar reads of it (the
+    innermost frame outside PyTorch of those torch.fx keeps: under torch.export, frames of
+    `forward` methods), where torch.fx symbolizes and formats every frame of the stack for
+    every node and then filters them: a quarter to a third of exporting a Hugging Face model,
+    whose stacks are deep. A PyTorch whose torch.fx.proxy records stack traces otherwise keeps
+    its own (whole) ones."""
+    import torch.fx.proxy as proxy
+
+    original = getattr(proxy, "CapturedTraceback", None)
+    if original is None:
+        yield
+        return
+    proxy.CapturedTraceback = _InnermostFrame
+    try:
+        yield
+    finally:
+        proxy.CapturedTraceback = original
+
+
+class _InnermostFrame:
+    """torch.utils._traceback.CapturedTraceback as torch.fx.proxy's `create_node` uses it,
+    `extract().summary()`: the innermost frame outside PyTorch that the tracer's filter
+    (`TracerBase._filter_traceback_frames`) keeps, or no frame. That filter keeps, for a
+    tracer recording `forward` frames only (torch.export's), frames named `forward` and
+    registered anchors; otherwise every frame from the outermost `forward` on."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self, frame: tuple[str, int, str] | None):
+        self.frame = frame
+
+    @staticmethod
+    def extract(*, script: bool = False, cpp: bool = False, skip: int = 0) -> "_InnermostFrame":
+        import torch.fx.proxy as proxy
+
+        caller = sys._getframe(1)  # create_node, whose `self` is the tracer
+        forward_only = getattr(caller.f_locals.get("self"), "_record_forward_stack_traces_only",
+                               False)
+        anchors = getattr(proxy, "_STACK_TRACE_ANCHORS", ())
+        f, inner = caller, None
+        while f is not None:
+            code = f.f_code
+            if inner is None and not code.co_filename.startswith(TORCH_DIR) and (
+                    not forward_only or code.co_name == "forward" or
+                    (code.co_filename, code.co_name) in anchors):
+                inner = (code.co_filename, f.f_lineno, code.co_name)
+                if forward_only:
+                    break
+            if inner is not None and code.co_name == "forward":
+                break
+            f = f.f_back
+        else:
+            inner = None  # no `forward` at or outside it: FX keeps no frame
+        return _InnermostFrame(inner)
+
+    def summary(self) -> traceback.StackSummary:
+        if self.frame is None:
+            return traceback.StackSummary()
+        return traceback.StackSummary.from_list([traceback.FrameSummary(*self.frame)])

@@ -32,6 +32,7 @@ from .torch_compat import (
     fake_mode,
     free_unbacked_symbols,
     grad_mode_region,
+    innermost_stack_traces,
     is_higher_order,
     spec_child,
     static_fake_mode,
@@ -352,7 +353,7 @@ def _export(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack 
     restore = layer_fold.cut(root, stack) if stack is not None else None
     try:
         with SideEffectWatch(root, prefix=prefix) as watch, \
-                watch_checkpoints(_refuse_checkpoint):
+                watch_checkpoints(_refuse_checkpoint), innermost_stack_traces():
             ep = torch.export.export(root, args, kwargs, strict=False)
     except TraceError:
         raise

@@ -120,3 +120,43 @@ def test_outside_dispatch_modes_leaves_the_active_mode_and_restores_it():
             x * 2
         x - 1
     assert seen == [torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor]
+
+
+class _Lines(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def helper(self, x):
+        return torch.tanh(x)  # made inside a method that is not `forward`
+
+    def forward(self, x):
+        h = self.fc(x) * 2
+        return self.helper(h)
+
+
+def test_innermost_stack_traces_record_the_frame_fx_would_keep():
+    """Exported under `innermost_stack_traces`, each node's stack trace is the innermost frame
+    outside PyTorch of those FX's own recording keeps (under torch.export: `forward` frames),
+    line for line as FX records it, and torch.fx's recorder is back afterwards."""
+    import inspect
+
+    import torch.fx.proxy as proxy
+
+    from autopar.passes.trace import source_line
+
+    def lines():
+        ep = torch.export.export(_Lines(), (torch.ones(2, 3),), strict=False)
+        return {n.name: source_line(n) for n in ep.graph.nodes}
+
+    recorder = proxy.CapturedTraceback
+    whole = lines()
+    with torch_compat.innermost_stack_traces():
+        assert proxy.CapturedTraceback is not recorder
+        inner = lines()
+    assert proxy.CapturedTraceback is recorder
+    assert inner == whole
+    forward = inspect.getsourcelines(_Lines.forward)[1]
+    assert f"line {forward + 1}, in forward: h = self.fc(x) * 2" in inner["linear"]
+    assert inner["tanh"].endswith("in forward: return self.helper(h)")  # not in helper
+    assert __file__.removesuffix("c") in inner["mul"]
