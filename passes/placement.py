@@ -77,17 +77,31 @@ def shard_factor(placements: Placements, mesh_shape: Sequence[int], dim: int) ->
     return f
 
 
+def _factors(ndim: int, placements: Placements, mesh_shape: Sequence[int],
+             strict: bool = True) -> list[int] | None:
+    """`shard_factor` of each of `ndim` tensor dimensions. A placement sharding a dimension
+    the tensor lacks makes it None (`strict`), or is ignored (as `shard_factor` ignores it)."""
+    factors = [1] * ndim
+    for k, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if not 0 <= p.dim < ndim:
+                if strict:
+                    return None
+                continue
+            factors[p.dim] *= mesh_shape[k]
+    return factors
+
+
 def divisible(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
     """True if every sharded dimension splits evenly (autopar only plans even splits)."""
-    for p in placements:
-        if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
-            return False
-    return all(shape[d] % shard_factor(placements, mesh_shape, d) == 0 for d in range(len(shape)))
+    factors = _factors(len(shape), placements, mesh_shape)
+    return factors is not None and all(s % f == 0 for s, f in zip(shape, factors))
 
 
 def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple:
     """The shape each rank holds of a tensor of global `shape` (even splits)."""
-    return tuple(s // shard_factor(placements, mesh_shape, d) for d, s in enumerate(shape))
+    return tuple(s // f for s, f in
+                 zip(shape, _factors(len(shape), placements, mesh_shape, strict=False)))
 
 
 def local_slices(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int],
