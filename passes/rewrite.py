@@ -202,16 +202,19 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
         new.meta["source"] = snode.source
         local[(node.name, None)] = new
 
-    def finish(outputs: list) -> fx.GraphModule:
+    def finish(outputs: list, unused: str | None = None) -> fx.GraphModule:
+        """The program computing `outputs`, without dead code or placeholder `unused` (when
+        nothing reads it); compiled once (a GraphModule compiles its graph when made)."""
         gg = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         for n in g.nodes:
             env[n] = gg.node_copy(n, lambda a: env[a])
         gg.output(tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, outputs))
-        gm = fx.GraphModule(torch.nn.Module(), gg)
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-        return gm
+        gg.eliminate_dead_code()
+        for n in list(gg.nodes):
+            if n.op == "placeholder" and n.name == unused and not n.users:
+                gg.erase_node(n)
+        return fx.GraphModule(torch.nn.Module(), gg)
 
     model_outs = []
     for ref in graph.outputs:
@@ -223,18 +226,13 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
         if per_rank is not None and shape and shape[0] == per_rank[1]:
             dst = per_rank[0]
         model_outs.append(reshard(name, idx, shape, src, dst, None))
-    infer = finish(model_outs)
+    # the inference program takes no target
+    infer = finish(model_outs, program.inputs[-1] if program.has_loss else None)
     train, loss_placement = None, None
     if graph.loss is not None:
         name, idx = graph.loss
         loss_placement = choice[name].out(idx)
         train = finish([value(name, idx)])
-    if program.has_loss:  # the inference program takes no target
-        target = program.inputs[-1]
-        for n in list(infer.graph.nodes):
-            if n.op == "placeholder" and n.name == target and not n.users:
-                infer.graph.erase_node(n)
-        infer.recompile()
     return LocalPrograms(train, infer, placeholders, loss_placement)
 
 
