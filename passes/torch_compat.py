@@ -220,17 +220,15 @@ def innermost_stack_traces():
     every node and then filters them: a quarter to a third of exporting a Hugging Face model,
     whose stacks are deep. A PyTorch whose torch.fx.proxy records stack traces otherwise keeps
     its own (whole) ones."""
-    import torch.fx.proxy as proxy
-
-    original = getattr(proxy, "CapturedTraceback", None)
+    original = getattr(fx.proxy, "CapturedTraceback", None)
     if original is None:
         yield
         return
-    proxy.CapturedTraceback = _InnermostFrame
+    fx.proxy.CapturedTraceback = _InnermostFrame
     try:
         yield
     finally:
-        proxy.CapturedTraceback = original
+        fx.proxy.CapturedTraceback = original
 
 
 class _InnermostFrame:
@@ -247,12 +245,10 @@ class _InnermostFrame:
 
     @staticmethod
     def extract(*, script: bool = False, cpp: bool = False, skip: int = 0) -> "_InnermostFrame":
-        import torch.fx.proxy as proxy
-
         caller = sys._getframe(1)  # create_node, whose `self` is the tracer
         forward_only = getattr(caller.f_locals.get("self"), "_record_forward_stack_traces_only",
                                False)
-        anchors = getattr(proxy, "_STACK_TRACE_ANCHORS", ())
+        anchors = getattr(fx.proxy, "_STACK_TRACE_ANCHORS", ())
         f, inner = caller, None
         while f is not None:
             code = f.f_code
