@@ -43,6 +43,7 @@ from autopar.solver.ilp import (
     price_key,
     priced_problem,
     random_choice,
+    relaxed_bound,
     solve,
 )
 from autopar.solver.memory import exact_memory, node_infos
@@ -136,8 +137,15 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
                reshard: bool = False, zero: dict[str, int] | None = None,
                accumulation: int = 1, unbounded: bool = False,
                diagnose: bool = True, bounds: list[float] | None = None,
-               fastest: list[dict[str, int]] | None = None) -> tuple[Plan, StrategyGraph]:
+               fastest: list[dict[str, int]] | None = None,
+               beat: float | None = None) -> tuple[Plan, StrategyGraph]:
     """Build strategies, solve the ILP and describe the result.
+
+    With `beat` (seconds of a whole step: the fastest plan a search found so far; inf or
+    None where none is), the ILP's linear relaxation is solved first (solver/ilp.py
+    `relaxed_bound`): when no plan of this level can step LEVEL_GAP faster than `beat` it
+    raises Outpaced, and when not even the relaxation fits the budget, NoFeasiblePlan
+    (unless `diagnose`, which solves the ILP to say why), without the integer solves.
 
     With `unbounded` only the plan the ILP chooses without the memory budget is tried
     (solver/ilp.py `solve`'s `unbounded_only`): a search step skipped when memory binds.
@@ -199,7 +207,20 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     # The re-solves reuse the prices, and are solved under the budget at once (the budget
     # binds: the plan before did not fit).
     ilp_budget, priced = budget, cost
-    problem = priced_problem(graph, priced, clusters, forced, discouraged)
+    # (a level's relaxation once a plan is found: penalties are no seconds of a step)
+    relax = beat is not None and beat < float("inf") and not discouraged
+    problem = priced_problem(graph, priced, clusters, forced, discouraged, kept_gathered=relax)
+    if relax:
+        try:
+            floor = relaxed_bound(graph, priced, problem, budget, clusters, forced,
+                                  accumulation, options.time_limit) * accumulation
+        except NoFeasiblePlan as e:
+            if not diagnose:
+                raise NoFeasiblePlan(str(e), "activations", True) from e
+            floor = None  # the integer solve below says why
+        if floor is not None and floor * (1 + LEVEL_GAP) >= beat:
+            raise Outpaced(f"no plan recomputing {recompute or options.recompute or 'none'}"
+                           f" over {accumulation} microbatch(es) steps under {floor:.4g} s")
     fastest = fastest if fastest is not None else []
     for attempt in range(RESOLVES + 1):
         try:
@@ -244,6 +265,11 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     plan.alternatives = compact({program.params.get(n, n): rows for n, rows in found.items()})
     report(f"solved in {sol.solve_time:.1f} s: predicted step {plan.cost.step_time * 1e3:.1f} ms")
     return plan, graph
+
+
+class Outpaced(Exception):
+    """A level of the memory search none of whose plans can step faster than a plan found
+    already (`solve_plan`'s `beat`)."""
 
 
 def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
@@ -316,7 +342,8 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
     count, while activations keep the plan from fitting or memory binds its placements: a
     peak above BINDING of the budget) is the other way to fit: of the plans that fit, the one
     with the shortest step wins. A level whose plans the solver bounds, or whose compute alone
-    is, within LEVEL_GAP of a plan found, is not solved. Returns the plan (its
+    is, within LEVEL_GAP of a plan found, is not solved, nor one whose linear relaxation is
+    (solve_plan's `beat`). Returns the plan (its
     `accumulation`; its cost for the whole step, gradients synchronized once), the strategy
     graph and the traced program of one microbatch. Without `accumulate` (an inference
     program) the whole batch, always.
@@ -416,6 +443,9 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
                 m * level_floor(program, mesh, options, level) * (1 + LEVEL_GAP) \
                 >= min(f[0].cost.step_time for f in found):
             continue  # no plan recomputing this much can beat one that fits already
+        # A budgeted level first solves its relaxation: no faster than a plan found (by
+        # LEVEL_GAP), or not fitting at all, and its integer solves are skipped.
+        best = min((f[0].cost.step_time for f in found), default=float("inf"))
         try:
             # When the fastest plan keeping every parameter gathered does not fit, freeing
             # (the next level) is where memory is found: no budgeted solve at this one.
@@ -425,7 +455,10 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
                                      unbounded=not reshard and len(levels) > 1 and
                                      levels[1][1], diagnose=i == len(levels) - 1,
                                      bounds=bounds if i == 0 else None,
-                                     fastest=unbudgeted)
+                                     fastest=unbudgeted,
+                                     beat=best if i else None)
+        except Outpaced:
+            continue
         except NoFeasiblePlan as e:
             error = e
             if e.activations_matter:

@@ -634,6 +634,18 @@ class CostModel:
             self._edge_share = min(1.0, self.bucket_bytes / total) if total else 1.0
         return self._edge_share
 
+    def grad_sync_split(self, node: SNode, storage: Placements, zero: int = 0) -> Split:
+        """A parameter's gradient synchronization (`grad_sync_steps`) by where it runs: the
+        all-gather of ZeRO's stepped shards on backward's critical path, the rest beside
+        backward."""
+        crit = side = 0.0
+        for kind, _, _, t in self.grad_sync_steps(node, storage, zero):
+            if kind == "all_gather":
+                crit += t
+            else:
+                side += t
+        return Split(0.0, crit, 0.0, side)
+
     def node_split(self, node: SNode, strategy: Strategy) -> Split:
         """`node_time` by where it runs (see Split): an op's compute (a parameter's casts) on
         the critical path, a parameter's gradient all-reduce or reduce-scatter beside
@@ -641,14 +653,9 @@ class CostModel:
         runtime/grad_sync.py, runtime/zero.py); ZeRO's all-gather of the stepped shards runs
         before the next step, on the critical path."""
         if node.kind == PARAM:
-            side = crit = 0.0
-            for kind, _, _, t in self.grad_sync_steps(node, strategy.output, strategy.zero):
-                if kind == "all_gather":
-                    crit += t
-                else:
-                    side += t
+            sync = self.grad_sync_split(node, strategy.output, strategy.zero)
             fwd, bwd = self.compute_times(node, strategy)  # mixed precision's casts
-            return Split(fwd, crit + bwd, 0.0, side)
+            return Split(fwd, sync.backward + bwd, 0.0, sync.side_backward)
         fwd, bwd = self.compute_times(node, strategy)
         return Split(fwd, bwd, 0.0, 0.0)
 
