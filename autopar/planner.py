@@ -141,11 +141,11 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
                beat: float | None = None) -> tuple[Plan, StrategyGraph]:
     """Build strategies, solve the ILP and describe the result.
 
-    With `beat` (seconds of a whole step: the fastest plan a search found so far; inf or
-    None where none is), the ILP's linear relaxation is solved first (solver/ilp.py
-    `relaxed_bound`): when no plan of this level can step LEVEL_GAP faster than `beat` it
-    raises Outpaced, and when not even the relaxation fits the budget, NoFeasiblePlan
-    (unless `diagnose`, which solves the ILP to say why), without the integer solves.
+    With a finite `beat` (seconds of a whole step: the fastest plan a search found so far),
+    the ILP's linear relaxation is solved first (solver/ilp.py `relaxed_bound`): when no
+    plan of this level can step LEVEL_GAP faster than `beat` it raises Outpaced, and when
+    not even the relaxation fits the budget, NoFeasiblePlan (unless `diagnose`, which
+    solves the ILP to say why), without the integer solves.
 
     With `unbounded` only the plan the ILP chooses without the memory budget is tried
     (solver/ilp.py `solve`'s `unbounded_only`): a search step skipped when memory binds.

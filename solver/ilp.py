@@ -305,8 +305,9 @@ def relaxed_bound(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem,
     counted once per step, and each use of a parameter freed after forward priced freed or
     kept gathered, each at its own seconds and bytes (`_OwnerProblem.kept_gathered`, when
     `problem` has it: solver/resharding.py keeps gathered what the budget holds after the
-    ILP). Raises NoFeasiblePlan when not even the relaxation fits the budget. `problem` must
-    carry no penalties (`discouraged`): they are no seconds of a step.
+    ILP). Raises NoFeasiblePlan when not even the relaxation fits the budget; 0 when the
+    time limit passes first. `problem` must carry no penalties (`discouraged`): they are no
+    seconds of a step.
 
     Over m microbatches a step takes m x compute, m x the collectives not hidden, but
     gradient synchronization once (planner `accumulated`, which shares each pass's hidden
@@ -343,7 +344,8 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
     columns) is solved under the budget instead, without the tie-break, each strategy's
     gradient synchronization counted 1/m (a step synchronizes once: planner `accumulated`),
     and returned as a Solution without a choice whose objective is its optimum in seconds:
-    below the step of every plan of the problem, over m (see `relaxed_bound`)."""
+    below the step of every plan of the problem, over m (see `relaxed_bound`); 0 when the
+    time limit passes first."""
     by_memory = minimize == "memory"
     scale = GIB if by_memory else SCALE  # GiB or microseconds inside the solver
     start = time.perf_counter()
@@ -431,6 +433,9 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
             result = mip.solve(prog, backend, time_limit, gap, hint, options)
         elapsed = time.perf_counter() - start
         if result.status == mip.NO_SOLUTION:
+            if relax:  # out of time: no bound known
+                return Solution({}, 0.0, elapsed, backend, "relaxed (time limit)",
+                                prog.num_variables, prog.num_constraints)
             # the time limit passed before any plan: take the greedy one
             if not fallback:
                 return None
@@ -749,7 +754,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
     memory = {o: [0.0] * len(c.index[o]) for o in owners}
     sync = {o: [NO_TIME] * len(c.index[o]) for o in owners}
     node_memory: dict[tuple, list[float]] = {}
-    node_sync: dict[tuple, list[float]] = {}
+    node_sync: dict[tuple, list[Split]] = {}
     for v, o in c.owner.items():
         node = graph.nodes[v]
         tw = price_key(cost, c.twin, v)
@@ -789,7 +794,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
     # and kept gathered (`kept_cost`, the pair's key ending in KEPT); the rest as in the
     # problem.
     kept_cost = cost.copy(reshard=frozenset()) if kept_gathered and cost.reshard else None
-    variant = (copy_prices(node_cost), copy_prices(node_split), copy_prices(memory)) \
+    variant = (_copy_prices(node_cost), _copy_prices(node_split), _copy_prices(memory)) \
         if kept_cost else None
     buckets_kept: dict[int, list[tuple]] = defaultdict(list)
     blocks: list[tuple] = []
@@ -897,7 +902,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
     return problem
 
 
-def copy_prices(prices: dict[str, list]) -> dict[str, list]:
+def _copy_prices(prices: dict[str, list]) -> dict[str, list]:
     """Per owner, a copy of its list of prices (one per strategy)."""
     return {o: list(ps) for o, ps in prices.items()}
 
