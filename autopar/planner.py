@@ -209,11 +209,11 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     ilp_budget, priced = budget, cost
     # (a level's relaxation once a plan is found: penalties are no seconds of a step)
     relax = beat is not None and beat < float("inf") and not discouraged
-    problem = priced_problem(graph, priced, clusters, forced, discouraged, kept_gathered=relax)
+    problem = priced_problem(graph, priced, clusters, forced, discouraged, relaxation=relax)
     if relax:
         try:
-            floor = relaxed_bound(graph, priced, problem, budget, clusters, forced,
-                                  accumulation, options.time_limit) * accumulation
+            floor = relaxed_bound(graph, priced, problem, budget, clusters, accumulation,
+                                  options.time_limit) * accumulation
         except NoFeasiblePlan as e:
             if not diagnose:
                 raise NoFeasiblePlan(str(e), "activations", True) from e

@@ -296,9 +296,9 @@ def solve(graph: StrategyGraph, cost: CostModel, memory_budget: float | None = N
 
 def relaxed_bound(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem,
                   memory_budget: float | None, clustering: Clustering | None = None,
-                  forced: dict[str, list[int]] | None = None, accumulation: int = 1,
-                  time_limit: float = 60.0) -> float:
-    """Seconds per microbatch below which no plan of `problem` (`priced_problem`) that fits
+                  accumulation: int = 1, time_limit: float = 60.0) -> float:
+    """Seconds per microbatch below which no plan of `problem` (`priced_problem(...,
+    relaxation=True)`) that fits
     `memory_budget` steps, `accumulation` microbatches a step (the step over the count): the
     optimum of its linear relaxation with each pass's exact overlap rows (the objective
     `cost.step_seconds` takes, which the relaxed solves drop), gradient synchronization
@@ -320,9 +320,11 @@ def relaxed_bound(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem,
     G at 1/m against the whole C, and backward's exposed column is also bounded by
     (S - C) / m. On Llama-3 70B levels over 1,024 H100s it is 1-7% below the plans found
     (16% at one), in 0.05-0.5 s where a level's integer solves take 1-9 s."""
+    if problem.sync is None:
+        raise ValueError("relaxed_bound needs the problem priced with relaxation=True")
     problem = problem.kept_gathered or problem
     return _solve(graph, cost, problem, clustering or identity(graph), memory_budget,
-                  "HIGHS", time_limit, 0.0, forced, None, "time", False, True,
+                  "HIGHS", time_limit, 0.0, None, None, "time", False, True,
                   relax=max(1, accumulation)).objective
 
 
@@ -378,7 +380,8 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
             row.append(prog.var(0.0, 1.0, not relax, price * scale))
             if split:
                 side.append((row[-1], sp))
-                wholes.append((row[-1], whole))
+                if once:
+                    wholes.append((row[-1], whole))
         prog.row(((var, 1.0) for var in row), 1.0, 1.0)
         x[o] = row
     y_terms = []  # (block, (a, b), column): the memory constraint's edge terms
@@ -396,7 +399,8 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
             var = prog.var(0.0, 1.0, False, coefficient * scale)
             if split:
                 side.append((var, sp))
-                wholes.append((var, sp))
+                if once:
+                    wholes.append((var, sp))
             y[ab] = var
             y_terms.append((i, ab, var))
             y_of[(i, ab)] = var
@@ -718,9 +722,9 @@ class _OwnerProblem:
     # with overlap (cost.overlap): node_cost and edge prices by where they run (cost.Split)
     node_split: dict[str, list[Split]] | None = None
     edge_split: list[dict] | None = None
-    # per owner strategy, the seconds of gradient synchronization its parameters pay, by
-    # where they run (a step of several microbatches synchronizes once: planner
-    # `accumulated`)
+    # with a relaxation (`priced_problem`): per owner strategy, the seconds of gradient
+    # synchronization its parameters pay, by where they run (a step of several microbatches
+    # synchronizes once: planner `accumulated`)
     sync: dict[str, list[Split]] | None = None
     # with parameters freed after forward (cost.reshard): the same problem where each of a
     # parameter's uses may be priced freed or kept gathered (solver/resharding.py keeps
@@ -732,16 +736,16 @@ class _OwnerProblem:
 def priced_problem(graph: StrategyGraph, cost: CostModel, clustering: Clustering | None = None,
                    forced: dict[str, list[int]] | None = None,
                    discouraged: dict[str, list[int]] | None = None,
-                   kept_gathered: bool = False) -> _OwnerProblem:
+                   relaxation: bool = False) -> _OwnerProblem:
     """The ILP's prices (`solve`'s `problem`): every owner's and edge block's seconds and
-    bytes, priced once for solves under several budgets; with `kept_gathered` (and
-    parameters freed after forward) also its variant for `relaxed_bound`."""
+    bytes, priced once for solves under several budgets; with `relaxation` also what
+    `relaxed_bound` needs of them (`_OwnerProblem.sync` and `kept_gathered`)."""
     return _owner_problem(graph, cost, clustering or identity(graph), forced, discouraged,
-                          kept_gathered)
+                          relaxation)
 
 
 def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
-                   discouraged, kept_gathered: bool = False) -> _OwnerProblem:
+                   discouraged, relaxation: bool = False) -> _OwnerProblem:
     """Aggregate node and edge costs onto owners. Repeated layers are priced once: a node
     shares its twin's prices and edges between the same twins are priced once and counted."""
     overlap = cost.overlap
@@ -752,7 +756,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
     node_split = {o: [NO_TIME] * len(c.index[o]) for o in owners}
     node_cost = {o: [0.0] * len(c.index[o]) for o in owners}
     memory = {o: [0.0] * len(c.index[o]) for o in owners}
-    sync = {o: [NO_TIME] * len(c.index[o]) for o in owners}
+    sync = {o: [NO_TIME] * len(c.index[o]) for o in owners} if relaxation else None
     node_memory: dict[tuple, list[float]] = {}
     node_sync: dict[tuple, list[Split]] = {}
     for v, o in c.owner.items():
@@ -760,7 +764,7 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
         tw = price_key(cost, c.twin, v)
         if tw not in node_memory:
             node_memory[tw] = [cost.node_memory(node, s) for s in node.strategies]
-            if node.kind == PARAM:
+            if node.kind == PARAM and relaxation:
                 node_sync[tw] = [cost.grad_sync_split(node, s.output, s.zero)
                                  for s in node.strategies]
         allowed = set(forced[v]) if forced and v in forced else None
@@ -788,12 +792,12 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
         if graph.nodes[e.producer].kind == PARAM:
             groups[key][2].append(bucket_of[(e.consumer, e.slot)])
     buckets: dict[int, list[tuple]] = defaultdict(list)
-    # The kept-gathered variant (`_OwnerProblem.kept_gathered`, when asked for and
+    # The kept-gathered variant (`_OwnerProblem.kept_gathered`, for a relaxation where
     # parameters are freed after forward): a parameter's uses are never folded into owner
     # prices but blocks whose every placement pair has two columns, freed (as priced here)
     # and kept gathered (`kept_cost`, the pair's key ending in KEPT); the rest as in the
     # problem.
-    kept_cost = cost.copy(reshard=frozenset()) if kept_gathered and cost.reshard else None
+    kept_cost = cost.copy(reshard=frozenset()) if relaxation and cost.reshard else None
     variant = (_copy_prices(node_cost), _copy_prices(node_split), _copy_prices(memory)) \
         if kept_cost else None
     buckets_kept: dict[int, list[tuple]] = defaultdict(list)

@@ -156,13 +156,15 @@ def measured_activations(name, mesh_shape, force, recompute: str,
     torch.Tensor.backward = backward_starts
     # Python's cycle collector frees what earlier steps left in reference cycles whenever it
     # runs: within the measured span, that would read as a step holding less
+    collecting = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             pm.step(x, y)
     finally:
-        gc.enable()
+        if collecting:
+            gc.enable()
         torch.Tensor.backward = backward
         hook.remove()
     events = prof.events()

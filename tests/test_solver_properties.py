@@ -194,7 +194,7 @@ def test_relaxed_bound_is_below_every_plan_that_fits(width, batch, mesh, m, hard
     least = solve(graph, freed, minimize="memory").objective
     fastest = plan_memory(graph, freed, solve(graph, freed).choice)
     budget = least + share * (fastest - least)
-    bound = relaxed_bound(graph, freed, priced_problem(graph, freed, kept_gathered=True),
+    bound = relaxed_bound(graph, freed, priced_problem(graph, freed, relaxation=True),
                           budget, accumulation=m) * m
     costs = {kept: freed.copy(reshard=frozenset(params) - kept)
              for r in range(len(params) + 1) for kept in map(frozenset,
