@@ -130,6 +130,36 @@ class HardwareProfile:
     overlap: bool = False            # collectives run beside compute (their own stream)
     measured: dict = field(default_factory=dict, compare=False)  # calibration details
 
+    def __post_init__(self):
+        problems = []
+        if not isinstance(self.flops, dict) or not _positive(self.flops.get("float32")):
+            problems.append("flops needs a positive 'float32' peak (flop/s; the figure for "
+                            "any dtype without its own), e.g. {'float32': 67e12, "
+                            "'bfloat16': 989e12}")
+        elif not all(_positive(v) for v in self.flops.values()):
+            problems.append(f"every flops figure must be positive flop/s, not {self.flops}")
+        for name in ("memory_bandwidth", "memory"):
+            if not _positive(getattr(self, name)):
+                problems.append(f"{name} must be positive (bytes{'/s' if 'band' in name else ''}"
+                                f"), not {getattr(self, name)!r}")
+        for name in ("intra_node", "inter_node"):
+            link = getattr(self, name)
+            if not isinstance(link, Link):
+                problems.append(f"{name} must be an autopar.Link(name, alpha, bandwidth), not "
+                                f"{type(link).__name__} (HardwareProfile.from_dict reads a dict)")
+            elif not _positive(link.bandwidth) or not isinstance(link.alpha, (int, float)) \
+                    or link.alpha < 0:
+                problems.append(f"{name} needs a positive bandwidth (bytes/s) and a latency "
+                                f"alpha >= 0 (s), not {link}")
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            problems.append(f"devices_per_node must be a positive integer, not "
+                            f"{self.devices_per_node!r}")
+        if not 0 <= self.memory_reserve < 1:
+            problems.append(f"memory_reserve is a share of memory in [0, 1), not "
+                            f"{self.memory_reserve!r}")
+        if problems:
+            raise ValueError(f"hardware profile {self.name!r}: " + "; ".join(problems))
+
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Peak flop/s for `dtype` (float32 figures for anything without its own)."""
         return self.flops.get(str(dtype).removeprefix("torch."), self.flops["float32"])
@@ -185,6 +215,10 @@ class HardwareProfile:
             return HardwareProfile.from_dict(json.load(f))
 
 
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
 GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64), (64, 64))
 
 # The built-in profiles, as data (sources in the module docstring).
@@ -236,10 +270,17 @@ PROFILES: dict[str, HardwareProfile] = {k: HardwareProfile.from_dict(v)
 A100, H100, H200, CPU = (PROFILES[k] for k in ("a100", "h100", "h200", "cpu"))
 
 
-def get_profile(hardware: str | HardwareProfile) -> HardwareProfile:
-    """A built-in profile by name, or the given profile."""
+def get_profile(hardware: str | HardwareProfile | dict) -> HardwareProfile:
+    """A built-in profile by name, the given profile, or one read from a dict (the fields of
+    HardwareProfile, as `to_dict` writes them)."""
     if isinstance(hardware, HardwareProfile):
         return hardware
+    if isinstance(hardware, dict):
+        return HardwareProfile.from_dict(hardware)
+    if not isinstance(hardware, str):
+        raise TypeError(f"hardware must be a built-in profile's name "
+                        f"({', '.join(sorted(PROFILES))}), an autopar.HardwareProfile or a dict "
+                        f"of its fields, not {type(hardware).__name__}")
     try:
         return PROFILES[hardware.lower()]
     except KeyError:

@@ -2,6 +2,8 @@
 candidate shape, keeps fast-link dimensions inside a node, and returns the fastest plan with
 the ranking of what it tried."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -128,6 +130,41 @@ def test_hardware_profile_with_missing_fields():
     del d["memory"], d["intra_node"]
     with pytest.raises(ValueError, match="lacks memory, intra_node"):
         autopar.HardwareProfile.from_dict(d)
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"flops": {"bfloat16": 989e12}}, ["flops needs a positive 'float32' peak"]),
+    ({"flops": {"float32": 67e12, "bfloat16": 0}}, ["every flops figure must be positive"]),
+    ({"memory": 0}, ["memory must be positive (bytes)"]),
+    ({"memory_bandwidth": -1.0}, ["memory_bandwidth must be positive (bytes/s)"]),
+    ({"intra_node": {"name": "nvlink", "alpha": 1e-6, "bandwidth": 4e11}},
+     ["intra_node must be an autopar.Link", "from_dict"]),
+    ({"inter_node": autopar.Link("ib", 1e-5, 0.0)}, ["inter_node needs a positive bandwidth"]),
+    ({"devices_per_node": 0}, ["devices_per_node must be a positive integer"]),
+    ({"memory_reserve": 1.5}, ["memory_reserve is a share of memory in [0, 1)"]),
+])
+def test_bad_hardware_profile_names_the_field(change, words):
+    """A profile built by hand with a field that cannot price a plan fails when it is made,
+    naming the field and what it needs (not a KeyError or a division by zero mid-plan)."""
+    with pytest.raises(ValueError) as info:
+        dataclasses.replace(autopar.H100, **change)
+    assert "hardware profile 'h100'" in str(info.value)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_hardware_as_a_dict_of_fields():
+    """A profile's fields as a dict (a JSON file read by the caller) serve as `hardware`
+    wherever a name does; a dict lacking fields, or another type, is refused naming what to
+    pass."""
+    d = autopar.H100.to_dict()
+    d["name"] = "my-h100"
+    assert autopar.MeshSpec((2, 8), hardware=d).profile == autopar.HardwareProfile.from_dict(d)
+    assert autopar.Cluster(16, hardware=d).per_node == 8
+    with pytest.raises(ValueError, match="'x' lacks flops"):
+        autopar.Cluster(8, hardware={"name": "x"})
+    with pytest.raises(TypeError, match="built-in profile's name .* or a dict of its fields"):
+        autopar.MeshSpec((8,), hardware=8)
 
 
 def test_parallelize_builds_the_mesh_the_plan_chose(world4):
