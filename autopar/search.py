@@ -59,10 +59,10 @@ class Cluster:
                              f"{self.devices!r}")
         profile = get_profile(self.hardware)
         per = self.devices_per_node or profile.devices_per_node
-        if per < 1 or (self.devices % per and per % self.devices):
+        if per < 1 or (self.devices > per and self.devices % per):
             raise ValueError(
                 f"{self.devices} devices do not fill nodes of {per}: devices_per_node must "
-                f"divide the device count (or the count divide it, for part of one node); "
+                f"divide the device count (or be at least the count: part of one node); "
                 f"e.g. {self.devices} devices in nodes of "
                 + ", ".join(str(d) for d in range(1, min(self.devices, 16) + 1)
                             if self.devices % d == 0))

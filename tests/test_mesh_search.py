@@ -33,6 +33,19 @@ def test_candidates_keep_tensor_parallelism_inside_a_node():
             assert m.shape[k] <= 4 and m.link(k) == m.profile.intra_node
 
 
+@pytest.mark.parametrize("devices,hardware", [(6, "cpu"), (3, "h100"), (7, "h100")])
+def test_part_of_one_node_is_a_cluster(devices, hardware):
+    """Fewer devices than a node holds (6 gloo processes on a 64-core machine, 3 GPUs of
+    8) are part of one node, whatever the count: every candidate's links are the node's."""
+    cluster = autopar.Cluster(devices, hardware=hardware)
+    assert cluster.per_node == devices
+    meshes = candidate_meshes(cluster)
+    assert ((devices,), ("dp",)) in {(m.shape, m.names) for m in meshes}
+    for m in meshes:
+        assert m.size == devices
+        assert all(m.link(k) == m.profile.intra_node for k in range(len(m.shape)))
+
+
 def test_the_fastest_mesh_is_returned_with_the_ranking():
     model, example = _gpt()
     plan = autopar.plan(model, autopar.Cluster(8, hardware="h100"), example, loss_fn=lm_loss)
