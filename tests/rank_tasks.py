@@ -67,6 +67,9 @@ def build(name):
     elif name == "hf_gpt2_dropout":  # embedding, residual and attention (SDPA) dropout
         model = zoo.hf_gpt2(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
                             dropout=0.2)
+    elif name == "hf_bloom":  # ALiBi attention scores through baddbmm, eager attention
+        model = zoo.hf_causal_lm("Bloom", n_layer=2, hidden_size=32, n_head=4, vocab_size=64,
+                                 attn_implementation="eager")
     elif name == "llama3":  # torchtitan's Llama 3: causal SDPA, rotary positions, GQA
         model = zoo.Llama3(zoo.Llama3Config(dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                             vocab_size=64, ffn_dim=64))

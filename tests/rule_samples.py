@@ -390,6 +390,13 @@ add(aten.mm.default, "even", lambda g: call(g.f(6, 8), g.f(8, 12)))
 add(aten.mm.default, "odd", lambda g: call(g.f(5, 6), g.f(6, 4)))
 add(aten.bmm.default, "even", lambda g: call(g.f(4, 6, 8), g.f(4, 8, 6)))
 add(aten.bmm.default, "odd", lambda g: call(g.f(6, 5, 4), g.f(6, 4, 3)))
+add(aten.baddbmm.default, "full", lambda g: call(g.f(4, 6, 6), g.f(4, 6, 8), g.f(4, 8, 6),
+                                                 beta=0.5, alpha=2.0))
+add(aten.baddbmm.default, "alibi", lambda g: call(g.f(4, 1, 6), g.f(4, 6, 8), g.f(4, 8, 6),
+                                                  beta=1.0, alpha=0.25))
+add(aten.baddbmm.default, "rows_broadcast", lambda g: call(g.f(6, 1), g.f(4, 6, 8),
+                                                           g.f(4, 8, 6)))
+add(aten.baddbmm.default, "odd", lambda g: call(g.f(6, 5, 3), g.f(6, 5, 4), g.f(6, 4, 3)))
 add(aten.matmul.default, "3d_2d", lambda g: call(g.f(4, 6, 8), g.f(8, 6)))
 add(aten.matmul.default, "2d_3d", lambda g: call(g.f(6, 8), g.f(4, 8, 6)))
 add(aten.matmul.default, "bcast_batch", lambda g: call(g.f(2, 1, 6, 4), g.f(3, 4, 6)))

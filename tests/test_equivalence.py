@@ -68,6 +68,15 @@ def test_torchtitan_llama3_two_by_two(world4, force):
     _check_style(plan, force)
 
 
+@pytest.mark.parametrize("force", [None, {"dp": "data", "tp": "tensor"}],
+                         ids=["solver", "data-tensor"])
+def test_bloom_alibi_two_by_two(world4, force):
+    """Hugging Face Bloom: ALiBi biases added to the attention scores by baddbmm (sharded
+    by its own rule), layer norm after the embedding, eager attention."""
+    plan = world4.run(rank_tasks.train_equivalence, "hf_bloom", (2, 2), force)[0]
+    _check_style(plan, force)
+
+
 MOE = ["moe_loop", "moe_grouped", "hf_mixtral", "hf_mixtral_grouped"]
 # every 2-D style for the dense models; the solver's plan and FSDP x tensor parallel for
 # Mixtral's two expert kernels (batched_mm, grouped_mm). The looped and batched test mixtures

@@ -1,4 +1,4 @@
-"""Matrix products: linear, addmm, mm, bmm, matmul.
+"""Matrix products: linear, addmm, mm, bmm, baddbmm, matmul.
 
 On one mesh dimension a product x @ w can be split four ways: by the rows of x (data or sequence
 parallel), by the columns of w (Megatron column parallel), by the contracted dimension (row
@@ -29,7 +29,8 @@ from .registry import (
 # gradient and keeps each operand whose partner needs one.
 facts(aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
       product=(0, 1), backward_factor=2.0, saves=SAVES_OPERANDS)
-facts(aten.addmm.default, product=(1, 2), backward_factor=2.0, saves=SAVES_OPERANDS)
+facts(aten.addmm.default, aten.baddbmm.default, product=(1, 2), backward_factor=2.0,
+      saves=SAVES_OPERANDS)
 
 
 def _has_partial_output(ctx: LocalContext) -> bool:
@@ -112,12 +113,40 @@ def batched(call: OpCall) -> list[Rule1D]:
     return dedupe(rules)
 
 
+@register(aten.baddbmm.default)
+def baddbmm(call: OpCall) -> list[Rule1D]:
+    """y = beta * c + alpha * (a @ b) with a (B, M, K), b (B, K, N) and c broadcast to
+    (B, M, N) (Bloom's attention scores: ALiBi biases plus the scaled q @ k). Each output
+    dimension splits a, b and c alike (c replicated where it broadcasts that dimension); the
+    contracted dimension leaves a pending sum that adds c once."""
+    c = call.inputs[0]
+    out = call.out_shape
+
+    def c_at(d: int):  # c's placement when output dimension d is split
+        j = d - (len(out) - c.ndim)
+        return Shard(j) if j >= 0 and c.shape[j] == out[d] else R
+
+    return dedupe([
+        Rule1D((c_at(0), Shard(0), Shard(0)), Shard(0)),
+        Rule1D((c_at(1), Shard(1), R), Shard(1)),
+        Rule1D((c_at(2), R, Shard(2)), Shard(2)),
+        Rule1D((R, Shard(2), Shard(1)), P),
+        Rule1D((R, P, R), P),
+        Rule1D((R, R, P), P),
+        Rule1D((R, R, R), R),
+    ])
+
+
 def _linear_bias_scaled(x, w, b, keep: float):
     return torch.ops.aten.linear.default(x, w, b * keep)
 
 
 def _addmm_bias_scaled(b, x, w, keep: float, *, beta=1, alpha=1):
     return torch.ops.aten.addmm.default(b * keep, x, w, beta=beta, alpha=alpha)
+
+
+def _baddbmm_scaled(c, a, b, keep: float, *, beta=1, alpha=1):
+    return torch.ops.aten.baddbmm.default(c * keep, a, b, beta=beta, alpha=alpha)
 
 
 # The bias of a product whose output is a pending sum must count once: it is scaled by 1 on the
@@ -137,4 +166,12 @@ def lower_addmm(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
     """Count the bias once when the output is a pending sum."""
     if _has_partial_output(ctx):
         return _addmm_bias_scaled, (*args[:3], _bias_keep(ctx)), kwargs
+    return call.target, args, kwargs
+
+
+@lowering(aten.baddbmm.default)
+def lower_baddbmm(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """Add the added term once when the output is a pending sum."""
+    if _has_partial_output(ctx):
+        return _baddbmm_scaled, (*args[:3], _bias_keep(ctx)), kwargs
     return call.target, args, kwargs
