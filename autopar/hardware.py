@@ -56,6 +56,7 @@ tests: autopar.calibrate measures the machine it runs on.
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
@@ -147,7 +148,7 @@ class HardwareProfile:
             if not isinstance(link, Link):
                 problems.append(f"{name} must be an autopar.Link(name, alpha, bandwidth), not "
                                 f"{type(link).__name__} (HardwareProfile.from_dict reads a dict)")
-            elif not _positive(link.bandwidth) or not isinstance(link.alpha, (int, float)) \
+            elif not _positive(link.bandwidth) or not isinstance(link.alpha, numbers.Real) \
                     or link.alpha < 0:
                 problems.append(f"{name} needs a positive bandwidth (bytes/s) and a latency "
                                 f"alpha >= 0 (s), not {link}")
@@ -216,7 +217,7 @@ class HardwareProfile:
 
 
 def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x > 0
 
 
 GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64), (64, 64))
