@@ -149,6 +149,10 @@ def build_family(family: str, cfg: dict):
         x = torch.randint(0, c.vocab, (cfg["batch"], c.seq))
         loss = models.moe_loss if c.balance == "loss" else zoo.lm_loss
         return models.MoETransformer(c), loss, (x, torch.roll(x, -1, 1))
+    if family == "hf":  # a Hugging Face causal LM by its transformers prefix and config fields
+        model = zoo.hf_causal_lm(cfg["kind"], **cfg["fields"])
+        x = torch.randint(0, cfg["fields"]["vocab_size"], (cfg["batch"], cfg["seq"]))
+        return model, zoo.lm_loss, (x, torch.roll(x, -1, 1))
     raise ValueError(family)
 
 
