@@ -8,9 +8,9 @@ first line of what failed.
     python -m benchmarks.unseen_models --kinds Qwen2,Bloom
 
 Each model is two layers of width 32 (4 heads, 2 key-value heads where the architecture has
-them), vocabulary 64, batch 4 x 16 tokens, built from its config without downloads
-(autopar.zoo `hf_causal_lm`). Not a test: it takes about 10 minutes, and transformers'
-releases add and change architectures.
+them; 4 experts, 2 per token, for the mixtures), vocabulary 64, batch 4 x 16 tokens, built
+from its config without downloads (autopar.zoo `hf_causal_lm`). Not a test: it takes about
+13 minutes, and transformers' releases add and change architectures.
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ KINDS: dict[str, dict] = {
     "Bloom": dict(n_layer=2, hidden_size=32, n_head=4, vocab_size=64,
                   attn_implementation="eager"),
     "Cohere": _NO_PAD,
+    # mixtures of experts, their experts as batched_mm (grouped_mm has no float64 kernel)
+    "Qwen2Moe": dict(_NO_PAD, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     shared_expert_intermediate_size=16, decoder_sparse_step=1,
+                     experts_implementation="batched_mm"),
+    "Qwen3Moe": dict(_NO_PAD, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     head_dim=8, decoder_sparse_step=1, experts_implementation="batched_mm"),
+    "Olmoe": dict(_NO_PAD, num_experts=4, num_experts_per_tok=2,
+                  experts_implementation="batched_mm"),
 }
 # (label, mesh, force, PlanOptions fields)
 SETTINGS = [
