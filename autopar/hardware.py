@@ -152,7 +152,7 @@ class HardwareProfile:
                     or link.alpha < 0:
                 problems.append(f"{name} needs a positive bandwidth (bytes/s) and a latency "
                                 f"alpha >= 0 (s), not {link}")
-        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+        if not isinstance(self.devices_per_node, numbers.Integral) or self.devices_per_node < 1:
             problems.append(f"devices_per_node must be a positive integer, not "
                             f"{self.devices_per_node!r}")
         if not 0 <= self.memory_reserve < 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from .hardware import HardwareProfile, Link, get_profile
@@ -35,6 +36,7 @@ class MeshSpec:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "profile", get_profile(self.hardware))
+        check_devices_per_node(self.devices_per_node, self.profile)
         if not isinstance(self.hardware, str):
             object.__setattr__(self, "hardware", self.profile.name)
 
@@ -120,3 +122,11 @@ class Submesh(MeshSpec):
         if self.parent is None or not self.dims:
             return super().link(dim)
         return self.parent.link(self.dims[dim])
+
+
+def check_devices_per_node(per_node, profile: HardwareProfile) -> None:
+    """Raises ValueError unless `per_node` is None (the hardware profile's count) or a positive
+    integer."""
+    if per_node is not None and (not isinstance(per_node, numbers.Integral) or per_node < 1):
+        raise ValueError(f"devices_per_node must be a positive integer (or None: the "
+                         f"hardware's, {profile.devices_per_node}), not {per_node!r}")

@@ -34,7 +34,7 @@ from autopar.solver.ilp import NoFeasiblePlan
 from autopar.solver.stages import StageError
 
 from .hardware import HardwareProfile, get_profile
-from .mesh import MeshSpec
+from .mesh import MeshSpec, check_devices_per_node
 from .options import PlanOptions
 from .plan import Plan
 from .progress import Progress
@@ -58,6 +58,7 @@ class Cluster:
             raise ValueError(f"a cluster needs a positive number of devices, not "
                              f"{self.devices!r}")
         profile = get_profile(self.hardware)
+        check_devices_per_node(self.devices_per_node, profile)
         per = self.devices_per_node or profile.devices_per_node
         if per < 1 or (self.devices > per and self.devices % per):
             raise ValueError(

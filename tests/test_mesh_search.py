@@ -130,12 +130,20 @@ def test_a_mesh_that_does_not_fit_is_ranked_with_its_reason():
 @pytest.mark.parametrize("kwargs,words", [
     ({"devices": 12, "devices_per_node": 8}, ["12 devices do not fill nodes of 8"]),
     ({"devices": 0}, ["positive number of devices"]),
+    ({"devices": 8, "devices_per_node": 0}, ["devices_per_node must be a positive integer",
+                                             "the hardware's, 8"]),
 ])
 def test_bad_cluster(kwargs, words):
     with pytest.raises(ValueError) as info:
         autopar.Cluster(**kwargs)
     for w in words:
         assert w in str(info.value)
+
+
+def test_mesh_with_zero_devices_per_node():
+    """0 is not "the hardware's default" (None is): refused, not read as the default."""
+    with pytest.raises(ValueError, match="devices_per_node must be a positive integer"):
+        autopar.MeshSpec((2, 4), devices_per_node=0)
 
 
 def test_hardware_profile_with_missing_fields():
