@@ -298,8 +298,8 @@ def relaxed_bound(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem,
                   memory_budget: float | None, clustering: Clustering | None = None,
                   accumulation: int = 1, time_limit: float = 60.0) -> float:
     """Seconds per microbatch below which no plan of `problem` (`priced_problem(...,
-    relaxation=True)`) that fits
-    `memory_budget` steps, `accumulation` microbatches a step (the step over the count): the
+    relaxation=True)`) that fits `memory_budget` steps, `accumulation` microbatches a step
+    (the step over the count): the
     optimum of its linear relaxation with each pass's exact overlap rows (the objective
     `cost.step_seconds` takes, which the relaxed solves drop), gradient synchronization
     counted once per step, and each use of a parameter freed after forward priced freed or
@@ -833,17 +833,20 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
         both = kept_cost is not None and u.kind == PARAM  # a use the variant prices twice
         a_cls, b_cls = _classes(a_of, live_only=True), _classes(b_of, live_only=True)
 
+        # where a price on an owner strategy goes: the problem, and the variant unless it
+        # has the use's block
+        targets = [(node_cost, node_split, memory)] + ([variant] if variant and not both else [])
+
         def bucketed(term, term_kept=None, in_buckets=in_buckets, both=both):
+            if not any(term[2].values()):
+                return
             for j in in_buckets:
-                if any(term[2].values()):
-                    buckets[j].append(term)
-                if variant and not both and any(term[2].values()):
+                buckets[j].append(term)
+                if variant and not both:
                     buckets_kept[j].append(term_kept or term)
 
-        def fold(owner, k, p, sp, m, both=both):  # a price on an owner strategy, in both
-            # problems unless the variant has the use's block
-            for costs, splits, mem in [(node_cost, node_split, memory)] + \
-                    ([variant] if variant and not both else []):
+        def fold(owner, k, p, sp, m, targets=targets):  # a price on an owner strategy
+            for costs, splits, mem in targets:
                 _add(costs[owner], k, p)
                 splits[owner][k] = splits[owner][k].plus(sp)
                 mem[owner][k] += m
