@@ -291,11 +291,15 @@ def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
                 lambda: recompute_plan(program, graph, mode, keep_user=keep_user)) \
         if program.has_loss else NO_RECOMPUTE
     info = derived(program, ("info", id(graph)), lambda: node_infos(graph))
-    cost = CostModel(mesh, options.optimizer, options.bucket_bytes, graph=graph, info=info,
-                     precision=options.precision, recompute=r, reshard=frozenset(
-                         n for n, v in graph.nodes.items() if v.kind == PARAM)
-                     if frees_after_forward(options, reshard) else (),
-                     accumulation=accumulation)
+    # every level's model a copy of one per graph and mesh: they share its resharding prices
+    base = derived(program, ("cost", id(graph), id(mesh)), lambda: (mesh, {}))[1]
+    settings = (options.optimizer, options.bucket_bytes, options.precision)
+    if settings not in base:
+        base[settings] = CostModel(mesh, options.optimizer, options.bucket_bytes, graph=graph,
+                                   info=info, precision=options.precision)
+    cost = base[settings].copy(recompute=r, reshard=frozenset(
+        n for n, v in graph.nodes.items() if v.kind == PARAM)
+        if frees_after_forward(options, reshard) else (), accumulation=accumulation)
     if options.profile not in (None, False):
         cost = cost.copy(measured=profiler(options.profile).measure(graph, cost))
     return graph, cost

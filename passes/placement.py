@@ -19,8 +19,8 @@ Placements = tuple[Placement, ...]
 
 __all__ = [
     "P", "Partial", "Placement", "Placements", "R", "Replicate", "Shard", "as_tuple", "fmt",
-    "interned", "is_partial", "is_shard", "local_shape", "local_slices", "parse", "shard_dims",
-    "shard_factor",
+    "interned", "is_partial", "is_shard", "local_shape", "local_slices", "parse", "same",
+    "shard_dims", "shard_factor",
 ]
 
 
@@ -47,6 +47,12 @@ def interned(placements: Placements) -> Placements:
         got = _INTERNED[key] = _Interned(key)
         got._hash = hash(key)
     return got
+
+
+def same(a: Placements, b: Placements) -> bool:
+    """Whether two placements are equal; without comparing PyTorch's placements (in Python)
+    when both are interned: each interned value has one instance."""
+    return a is b or not (type(a) is _Interned and type(b) is _Interned) and a == b
 
 
 def as_tuple(placements: Placements) -> Placements:

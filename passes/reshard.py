@@ -27,6 +27,7 @@ from autopar.passes.placement import (
     Shard,
     as_tuple,
     is_partial,
+    same,
     shard_dims,
 )
 
@@ -74,7 +75,7 @@ def plan_steps(shape: Sequence[int], src: Placements, dst: Placements,
                mesh_shape: Sequence[int]) -> list[Step]:
     """The steps from `src` to `dst` for a tensor of global `shape` (a new list each call)."""
     src, dst = as_tuple(src), as_tuple(dst)
-    if src is dst or src == dst:
+    if same(src, dst):
         return []
     steps = _memoized(tuple(shape), src, dst, tuple(mesh_shape))
     if isinstance(steps, ReshardError):

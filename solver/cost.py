@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from autopar.passes.placement import Placements, Replicate, as_tuple, fmt, local_shape
+from autopar.passes.placement import Placements, Replicate, as_tuple, fmt, local_shape, same
 from autopar.passes.recompute import NONE as NO_RECOMPUTE
 from autopar.passes.recompute import Recompute, saved_under_selective
 from autopar.passes.reshard import BUCKET_BYTES, ReshardError, Step, plan_steps, single_gather
@@ -80,9 +80,15 @@ class Split(NamedTuple):
 
     def plus(self, other: Split, times: float = 1.0) -> Split:
         """The sum with `times` x `other`."""
-        # spelled out: building the ILP adds hundreds of thousands of these
-        return Split(self[0] + times * other[0], self[1] + times * other[1],
-                     self[2] + times * other[2], self[3] + times * other[3])
+        # spelled out, and made without the named constructor's Python-level __new__:
+        # building the ILP adds hundreds of thousands of these
+        a0, a1, a2, a3 = self
+        b0, b1, b2, b3 = other
+        return _new_tuple(Split, (a0 + times * b0, a1 + times * b1, a2 + times * b2,
+                                  a3 + times * b3))
+
+
+_new_tuple = tuple.__new__
 
 
 NO_TIME = Split(0.0, 0.0, 0.0, 0.0)
@@ -147,7 +153,9 @@ class CostModel:
 
     def copy(self, **changes) -> CostModel:
         """The same model with some settings changed (mesh, optimizer, bucket_bytes, graph,
-        precision, measured, activation_factor, recompute, reshard, accumulation)."""
+        precision, measured, activation_factor, recompute, reshard, accumulation). On the
+        same mesh, graph and precision it shares this model's resharding prices (they
+        depend on nothing else): the levels of a memory search price the same reshardings."""
         kw = dict(mesh=self.mesh, optimizer=self.optimizer, bucket_bytes=self.bucket_bytes,
                   graph=self.graph, precision=self.precision, measured=self.measured,
                   activation_factor=self.activation_factor, recompute=self.recompute,
@@ -157,6 +165,9 @@ class CostModel:
             kw["info"] = self.info  # the same graph's analysis (0.07 s on Llama-3 70B)
         out = copy.copy(self)  # keeps a subclass's own state
         CostModel.__init__(out, **kw)
+        if out.mesh is self.mesh and out.graph is self.graph and \
+                out.precision == self.precision:
+            out._reshard = self._reshard
         return out
 
     # -- dtypes ----------------------------------------------------------------------------------
@@ -210,7 +221,7 @@ class CostModel:
         return self._reshard(tuple(shape), dtype, as_tuple(src), as_tuple(dst), grad)
 
     def _reshard_uncached(self, shape, dtype, src, dst, grad) -> float:
-        if src == dst:
+        if same(src, dst):
             return 0.0
         try:
             steps = plan_steps(shape, src, dst, self.shape)

@@ -769,16 +769,20 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
                                  for s in node.strategies]
         allowed = set(forced[v]) if forced and v in forced else None
         penalized = set(discouraged.get(v, ())) if discouraged else set()
+        # (this runs for every node and strategy of every layer: the lists looked up once)
+        tv, costs, mem, node_mem = t[v], node_cost[o], memory[o], node_memory[tw]
+        splits, tv_split = (node_split[o], t_split[v]) if overlap else (None, None)
+        syncs, node_syncs = (sync[o], node_sync[tw]) if tw in node_sync else (None, None)
         for k, j in enumerate(c.index[v]):
-            if (allowed is not None and j not in allowed) or t[v][j] == INFEASIBLE:
-                node_cost[o][k] = INFEASIBLE
-            elif node_cost[o][k] != INFEASIBLE:
-                node_cost[o][k] += t[v][j] + (PENALTY if j in penalized else 0.0)
-                if overlap:
-                    node_split[o][k] = node_split[o][k].plus(t_split[v][j])
-            memory[o][k] += node_memory[tw][j]
-            if tw in node_sync:
-                sync[o][k] = sync[o][k].plus(node_sync[tw][j])
+            if (allowed is not None and j not in allowed) or tv[j] == INFEASIBLE:
+                costs[k] = INFEASIBLE
+            elif costs[k] != INFEASIBLE:
+                costs[k] += tv[j] + (PENALTY if j in penalized else 0.0)
+                if splits is not None:
+                    splits[k] = splits[k].plus(tv_split[j])
+            mem[k] += node_mem[j]
+            if syncs is not None:
+                syncs[k] = syncs[k].plus(node_syncs[j])
     # An owner strategy ruled out (by `forced`, or unable to run) is never chosen: its edges'
     # placements become RULED_OUT and are not priced (most of the pricing of a forced plan).
     live = {o: [p != INFEASIBLE for p in costs] for o, costs in node_cost.items()}
@@ -894,8 +898,11 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
         if variant and not both:
             blocks_kept.append(block)
 
+    merges: dict = {}  # the problem's merged blocks, for its variant's (`_merge_blocks`)
+
     def problem_of(blocks, buckets, node_cost, node_split, memory) -> _OwnerProblem:
-        merged, where = _merge_blocks(blocks)
+        merged, where, table = _merge_blocks(blocks, merges)
+        merges.update(table)
         terms = [[(kind, where[at] if kind == "y" else at, held) for kind, at, held in bucket]
                  for _, bucket in sorted(buckets.items())]
         return _OwnerProblem(node_cost, memory, [b[:5] for b in merged], [b[5] for b in merged],
@@ -937,28 +944,45 @@ def _add(costs: list[float], k: int, p: float) -> None:
     costs[k] = INFEASIBLE if INFEASIBLE in (p, costs[k]) else costs[k] + p
 
 
-def _merge_blocks(blocks: list) -> tuple[list, list[int]]:
+def _merge_blocks(blocks: list, known: dict | None = None) -> tuple[list, list[int], dict]:
     """Edge blocks between the same owners with the same placements become one block; also
-    the merged block of each given one. A block is (producer owner, consumer owner, a_of,
-    b_of, then dicts by placement pair: prices and Splits added as such, the rest summed)."""
-    out, where, merged_at = [], {}, []
+    the merged block of each given one, and what `known` takes. A block is (producer owner,
+    consumer owner, a_of, b_of, then dicts by placement pair: prices and Splits added as such,
+    the rest summed). `known`: the third result of an earlier call, whose merged blocks are
+    taken as they are where they merged the same blocks (the same objects: a relaxation's
+    kept-gathered variant shares most of the problem's)."""
+    groups: dict = {}  # key -> its blocks, in first-seen order
+    keys = []
     for i, block in enumerate(blocks):
-        ou, ov, a_of, b_of, *fields = block
+        ou, ov, a_of, b_of, price = block[:5]
         # a block with kept-gathered columns stays alone: its freed-or-kept choice is its
         # own parameter's, which a merged column would tie to another's
-        key = (ou, ov, tuple(a_of), tuple(b_of)) if not any(
-            len(ab) > 2 for ab in fields[0]) else i
-        if key in where:
-            for merged, field in zip(out[where[key]][4:], fields):
+        key = (ou, ov, tuple(a_of), tuple(b_of)) if not any(len(ab) > 2 for ab in price) \
+            else ("alone", i)
+        keys.append(key)
+        groups.setdefault(key, []).append(block)
+    out, where, table = [], {}, {}
+    for key, members in groups.items():
+        ids = tuple(map(id, members))
+        where[key] = len(out)
+        if known is not None and key in known and known[key][0] == ids:
+            out.append(known[key][1])
+            table[key] = known[key]
+            continue
+        first = members[0]  # (copied where others are added to it)
+        merged = first if len(members) == 1 else (*first[:4], *(dict(f) for f in first[4:]))
+        for block in members[1:]:
+            for into, field in zip(merged[4:], block[4:]):
+                if field and isinstance(next(iter(field.values())), Split):
+                    for ab, p in field.items():
+                        into[ab] = into[ab].plus(p)
+                    continue
                 for ab, p in field.items():
-                    q = merged[ab]
-                    merged[ab] = q.plus(p) if isinstance(p, Split) else \
-                        INFEASIBLE if INFEASIBLE in (p, q) else q + p
-        else:
-            where[key] = len(out)
-            out.append((ou, ov, a_of, b_of, *(dict(f) for f in fields)))
-        merged_at.append(where[key])
-    return out, merged_at
+                    q = into[ab]
+                    into[ab] = INFEASIBLE if p == INFEASIBLE or q == INFEASIBLE else q + p
+        out.append(merged)
+        table[key] = (ids, merged)
+    return out, [where[key] for key in keys], table
 
 
 def _classes(placements, live_only: bool = False) -> dict:

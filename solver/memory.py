@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import torch
 
 from autopar.passes.gathers import use_groups
-from autopar.passes.placement import as_tuple, local_shape
+from autopar.passes.placement import as_tuple, local_shape, same
 from autopar.passes.recompute import Recompute, saved_under_selective
 from autopar.passes.reshard import ReshardError, plan_steps, single_gather
 from autopar.passes.rules.registry import (
@@ -393,7 +393,7 @@ def _collective_output(cost: Prices, shape, src, dst):
     """The local shape the last collective of resharding `shape` from `src` to `dst` makes
     (a new tensor), or None when nothing is communicated (a local slice is a view); raises
     ValueError when there is no such resharding."""
-    if src is dst or src == dst:
+    if same(src, dst):
         return None
     moved = _moved(tuple(shape), as_tuple(src), as_tuple(dst), tuple(cost.shape))
     if isinstance(moved, ReshardError):
