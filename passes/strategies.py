@@ -186,7 +186,7 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
     constant: set[str] = set()
     grad: set[str] = set()
     output_node = None
-    memo: dict[str, list[Strategy]] = {}
+    memo: dict = {}  # candidates by call (or parameter shape)
     for node in program.graph.nodes:
         if node.op == "output":
             output_node = node
@@ -196,18 +196,26 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
         if node.op == "placeholder":
             val = node.meta["val"]
             shape = tuple(int(s) for s in val.shape)
-            extra: list[Strategy] = []
             if node.name in program.params:
                 kind = PARAM
-                cands = _storage_placements(shape, mesh_shape)
                 # An inference program (no loss) needs no gradient: priced as such (no
                 # backward, nothing kept for it, parameters stored only).
-                if node.name not in program.frozen and program.has_loss:
+                trains = node.name not in program.frozen and program.has_loss
+                if trains:
                     grad.add(node.name)
-                    if zero:
-                        extra = [Strategy((), c, stage) for c in cands for stage in STAGES
-                                 if zero_shard(shape, c, mesh_shape) is not None]
-            elif node.name in program.buffers:
+                # parameters of one shape share their list (as ops of one call do)
+                key = ("param", shape, trains and zero)
+                if key not in memo:
+                    cands = _storage_placements(shape, mesh_shape)
+                    memo[key] = [Strategy((), c) for c in cands] + (
+                        [Strategy((), c, stage) for c in cands for stage in STAGES
+                         if zero_shard(shape, c, mesh_shape) is not None]
+                        if trains and zero else [])
+                nodes[node.name] = SNode(
+                    node.name, kind, "", [], [], [shape], [val.dtype], False, trains,
+                    memo[key], None, "", program.params.get(node.name))
+                continue
+            if node.name in program.buffers:
                 kind = CONSTANT
                 cands = [tuple(R for _ in mesh_shape)]
                 constant.add(node.name)
@@ -221,10 +229,13 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
                         "batch divisible by the number of slices")
             nodes[node.name] = SNode(
                 node.name, kind, "", [], [], [shape], [val.dtype], False, node.name in grad,
-                [Strategy((), c) for c in cands] + extra, None, "",
-                program.params.get(node.name))
+                [Strategy((), c) for c in cands], None, "")
             continue
-        call, tensor_nodes = op_call(node)
+        if node not in program.op_calls:  # the same on every mesh
+            call, tensor_nodes = op_call(node)
+            program.op_calls[node] = call, tensor_nodes, repr(
+                (node.target, call.args, call.kwargs, call.out_shapes))
+        call, tensor_nodes, key = program.op_calls[node]
         # getitem nodes are folded into their consumers' edges (producer, output index).
         if node.target is operator.getitem:
             src = node.args[0]
@@ -253,8 +264,7 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
             if node.target not in RULES:
                 unsupported.append(str(node.target))
                 why = NO_RULE
-            # Repeated layers make the same calls: enumerate each distinct call once.
-            key = repr((node.target, call.args, call.kwargs, call.out_shapes))
+            # Repeated layers make the same calls: enumerate each distinct call once (`key`).
             if node.name in program.writes:
                 # An op that writes into a buffer or input runs whole on every rank, so that
                 # every rank's copy takes the single-device update.

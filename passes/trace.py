@@ -84,6 +84,9 @@ class TracedProgram:
     # strategy graphs built for this program (passes/strategies.py `build`), by mesh shape and
     # input placement: the planner tries several ways to fit memory on one program
     strategy_graphs: dict = field(default_factory=dict, repr=False, compare=False)
+    # what `build` reads of each op node whatever the mesh (its OpCall, tensor inputs and the
+    # key of its candidates), worked out at the first mesh
+    op_calls: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def graph(self) -> fx.Graph:
