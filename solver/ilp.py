@@ -892,8 +892,11 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
             term = ("y", len(blocks), {ab: held(*ab) for ab in pairs})
             bucketed(term, ("y", len(blocks_kept), term[2]))
         prices = {ab: priced(*ab) for ab in pairs}
+        # (no bytes for a pair never chosen: a quarter of a 70B layer's pairs have no
+        # resharding between them)
         block = (ou, ov, a_of, b_of, {ab: p for ab, (p, _) in prices.items()},
-                 {ab: kept(*ab) for ab in pairs}, {ab: sp for ab, (_, sp) in prices.items()})
+                 {ab: 0.0 if p == INFEASIBLE else kept(*ab) for ab, (p, _) in prices.items()},
+                 {ab: sp for ab, (_, sp) in prices.items()})
         blocks.append(block)
         if variant and not both:
             blocks_kept.append(block)
