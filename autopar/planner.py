@@ -292,6 +292,7 @@ def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
         if program.has_loss else NO_RECOMPUTE
     info = derived(program, ("info", id(graph)), lambda: node_infos(graph))
     # every level's model a copy of one per graph and mesh: they share its resharding prices
+    # (the entry holds the mesh, so that its id names it as long as the entry lives)
     base = derived(program, ("cost", id(graph), id(mesh)), lambda: (mesh, {}))[1]
     settings = (options.optimizer, options.bucket_bytes, options.precision)
     if settings not in base:
