@@ -152,7 +152,7 @@ class HardwareProfile:
                     or link.alpha < 0:
                 problems.append(f"{name} needs a positive bandwidth (bytes/s) and a latency "
                                 f"alpha >= 0 (s), not {link}")
-        if not isinstance(self.devices_per_node, numbers.Integral) or self.devices_per_node < 1:
+        if not positive_integer(self.devices_per_node):
             problems.append(f"devices_per_node must be a positive integer, not "
                             f"{self.devices_per_node!r}")
         if not 0 <= self.memory_reserve < 1:
@@ -218,6 +218,11 @@ class HardwareProfile:
 
 def _positive(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and x > 0
+
+
+def positive_integer(x) -> bool:
+    """Whether `x` is an integer (Python's or numpy's) of at least 1: a count of devices."""
+    return isinstance(x, numbers.Integral) and x >= 1
 
 
 GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64), (64, 64))

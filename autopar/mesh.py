@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 
-from .hardware import HardwareProfile, Link, get_profile
+from .hardware import HardwareProfile, Link, get_profile, positive_integer
 
 
 @dataclass(frozen=True)
@@ -127,6 +126,6 @@ class Submesh(MeshSpec):
 def check_devices_per_node(per_node, profile: HardwareProfile) -> None:
     """Raises ValueError unless `per_node` is None (the hardware profile's count) or a positive
     integer."""
-    if per_node is not None and (not isinstance(per_node, numbers.Integral) or per_node < 1):
+    if per_node is not None and not positive_integer(per_node):
         raise ValueError(f"devices_per_node must be a positive integer (or None: the "
                          f"hardware's, {profile.devices_per_node}), not {per_node!r}")

@@ -291,14 +291,14 @@ def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
                 lambda: recompute_plan(program, graph, mode, keep_user=keep_user)) \
         if program.has_loss else NO_RECOMPUTE
     info = derived(program, ("info", id(graph)), lambda: node_infos(graph))
-    # every level's model a copy of one per graph and mesh: they share its resharding prices
-    # (the entry holds the mesh, so that its id names it as long as the entry lives)
-    base = derived(program, ("cost", id(graph), id(mesh)), lambda: (mesh, {}))[1]
-    settings = (options.optimizer, options.bucket_bytes, options.precision)
-    if settings not in base:
-        base[settings] = CostModel(mesh, options.optimizer, options.bucket_bytes, graph=graph,
-                                   info=info, precision=options.precision)
-    cost = base[settings].copy(recompute=r, reshard=frozenset(
+    # every level's model a copy of one per graph, mesh and settings: they share its
+    # resharding prices (the entry holds the mesh, so its id names it while the entry lives)
+    base = derived(program, ("cost", id(graph), id(mesh), options.optimizer,
+                             options.bucket_bytes, options.precision),
+                   lambda: (mesh, CostModel(mesh, options.optimizer, options.bucket_bytes,
+                                            graph=graph, info=info,
+                                            precision=options.precision)))[1]
+    cost = base.copy(recompute=r, reshard=frozenset(
         n for n, v in graph.nodes.items() if v.kind == PARAM)
         if frees_after_forward(options, reshard) else (), accumulation=accumulation)
     if options.profile not in (None, False):

@@ -60,7 +60,7 @@ class Cluster:
         profile = get_profile(self.hardware)
         check_devices_per_node(self.devices_per_node, profile)
         per = self.devices_per_node or profile.devices_per_node
-        if per < 1 or (self.devices > per and self.devices % per):
+        if self.devices > per and self.devices % per:
             raise ValueError(
                 f"{self.devices} devices do not fill nodes of {per}: devices_per_node must "
                 f"divide the device count (or be at least the count: part of one node); "

@@ -901,21 +901,18 @@ def _owner_problem(graph: StrategyGraph, cost: CostModel, c: Clustering, forced,
         if variant and not both:
             blocks_kept.append(block)
 
-    merges: dict = {}  # the problem's merged blocks, for its variant's (`_merge_blocks`)
-
-    def problem_of(blocks, buckets, node_cost, node_split, memory) -> _OwnerProblem:
-        merged, where, table = _merge_blocks(blocks, merges)
-        merges.update(table)
+    def problem_of(blocks, buckets, node_cost, node_split, memory, known=None):
+        """The problem of these prices, and its merged blocks (`_merge_blocks`)."""
+        merged, where, table = _merge_blocks(blocks, known)
         terms = [[(kind, where[at] if kind == "y" else at, held) for kind, at, held in bucket]
                  for _, bucket in sorted(buckets.items())]
         return _OwnerProblem(node_cost, memory, [b[:5] for b in merged], [b[5] for b in merged],
                              terms, node_split if overlap else None,
-                             [b[6] for b in merged] if overlap else None, sync)
+                             [b[6] for b in merged] if overlap else None, sync), table
 
-    problem = problem_of(blocks, buckets, node_cost, node_split, memory)
-    if variant:
-        problem.kept_gathered = problem_of(blocks_kept, buckets_kept, variant[0], variant[1],
-                                           variant[2])
+    problem, merged = problem_of(blocks, buckets, node_cost, node_split, memory)
+    if variant:  # (sharing the problem's merged blocks where it merged the same ones)
+        problem.kept_gathered = problem_of(blocks_kept, buckets_kept, *variant, merged)[0]
     return problem
 
 
