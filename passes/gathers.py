@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from autopar.passes.reshard import BUCKET_BYTES, single_gather
 
 from .placement import Placements, local_shape
@@ -25,6 +27,13 @@ from .strategies import PARAM, Strategy, StrategyGraph
 Use = tuple[str, Placements, int]
 # (consumer node, input slot) fed by a parameter
 Edge = tuple[str, int]
+
+
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the gradients of gathered parameters of `dtype` are reduce-scattered in:
+    float32 for bfloat16 and float16 (FSDP2's `reduce_dtype` under mixed precision: one
+    rounding of the sum, not one per rank's addend), else their own."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def use_groups(graph: StrategyGraph, limit: float = BUCKET_BYTES,

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.passes import torch_compat
+from autopar.passes.gathers import reduce_dtype
 
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -133,11 +134,8 @@ class _AllGatherMany(torch.autograd.Function):
         n = dist.get_world_size(ctx.group)
         some = next(g for g in grads if g is not None)
         sizes = [torch.Size(s).numel() for s in ctx.shapes]
-        # Gradients of bfloat16 (mixed precision) gathers are reduced in float32, FSDP2's
-        # reduce_dtype: one rounding of the sum, not one per rank's addend.
         dtype = some.dtype
-        reduce = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-        src = rank_major(grads, ctx.shapes, ctx.dims, n, reduce)
+        src = rank_major(grads, ctx.shapes, ctx.dims, n, reduce_dtype(dtype))
         out = torch.empty(src.shape[1], dtype=src.dtype, device=src.device)
         torch_compat.reduce_scatter_single(out, src.view(-1), group=ctx.group)
         grads_in, offset = [], 0
