@@ -90,8 +90,7 @@ class ParameterStore:
                 self.params[name] = nn.Parameter(
                     DTensor.from_local(view, mesh, shard.placements, run_check=False),
                     requires_grad=requires_grad[name])
-                self.zero[name] = ZeroParam(stage, shard, view,
-                                            version=self.params[name]._version)
+                self.zero[name] = ZeroParam(stage, shard, view)
                 continue
             dt = DTensor.from_local(block, mesh, placements[name], run_check=False)
             p = nn.Parameter(dt, requires_grad=requires_grad[name])
@@ -101,8 +100,7 @@ class ParameterStore:
             self.params[name] = p
         self.aliases = {n: list(a) for n, a in aliases.items() if n in self.params}
         if self.zero:  # what `refresh`, run before every program, checks and gathers over
-            self._zero_entries = [(self.leaves[n], self.params[n], z)
-                                  for n, z in self.zero.items()]
+            self._zero_entries = [(self.leaves[n], z) for n, z in self.zero.items()]
             self._groups = [mesh.get_group(k) for k in range(mesh.ndim)]
 
     @property
@@ -120,8 +118,9 @@ class ParameterStore:
         return z.shard.placements if z is not None else self.placements[name]
 
     def refresh(self) -> None:
-        """Gather the ZeRO shards an optimizer stepped into the whole copies the programs use
-        (a collective when any were stepped; call before running a program)."""
+        """Gather the ZeRO shards (what an optimizer steps) into the whole copies the
+        programs use (a collective when the plan has ZeRO parameters; call before each step
+        or inference call)."""
         if self.zero:
             gather_stepped(self._zero_entries, self._groups, self.bucket_bytes)
 

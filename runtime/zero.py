@@ -7,10 +7,11 @@ gradients into the shards' gradients, in buckets, launched from a post-accumulat
 soon as a bucket's gradients are complete (overlapped with backward, as DDP does), and frees
 the whole gradients once they are copied out. ZeRO-2 buckets do so in every microbatch;
 ZeRO-1 buckets let the whole gradients accumulate over a step's microbatches and
-reduce-scatter in the last one. `gather_stepped` all-gathers the shards the optimizer changed
-back into the whole copies before the next program runs: those whose DTensor parameter's
-version counter moved (an in-place update of the DTensor bumps it; of its local tensor, which
-DTensor ops update below autograd, it does not).
+reduce-scatter in the last one. `gather_stepped` all-gathers the shards back into the whole
+copies before each step or inference call, whatever changed them: no counter tells reliably
+that an optimizer stepped a shard (foreach and fused optimizers update the DTensor's local
+tensor below autograd, and `p.data` updates share no version counter with the parameter), and
+a whole copy left stale would train on old weights.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ class ZeroParam:
     shard: ZeroShard
     view: torch.Tensor
     grad: torch.Tensor | None = None
-    version: int = 0  # the DTensor parameter's version counter when the leaf was last gathered
 
 
 def shard_view(leaf: torch.Tensor, shard: ZeroShard, coord: int, n: int) -> torch.Tensor:
@@ -44,26 +44,22 @@ def shard_view(leaf: torch.Tensor, shard: ZeroShard, coord: int, n: int) -> torc
     return leaf.detach().narrow(shard.dim, coord * size, size)
 
 
-def gather_stepped(entries: list[tuple[torch.Tensor, torch.Tensor, ZeroParam]], groups: list,
+def gather_stepped(entries: list[tuple[torch.Tensor, ZeroParam]], groups: list,
                    bucket_bytes: float) -> None:
-    """All-gather the shards whose DTensor parameters changed since they were last gathered
-    (an optimizer stepped them) into the whole copies (the leaves): a collective when any
-    changed (every rank steps the same parameters, so all ranks agree on which). `entries`:
-    (leaf, DTensor parameter, ZeroParam)."""
+    """All-gather every shard (what the optimizer steps) into its whole copy (the leaf), in
+    buckets per mesh dimension: a collective on every rank alike. `entries`: (leaf,
+    ZeroParam)."""
     by_dim: dict[int, list] = {}
-    for leaf, p, z in entries:
-        if p._version != z.version:
-            by_dim.setdefault(z.shard.mesh_dim, []).append((leaf, p, z))
-    for k, stale in by_dim.items():
-        of = {id(leaf): (p, z) for leaf, p, z in stale}
-        for bucket in param_buckets([leaf for leaf, _, _ in stale], bucket_bytes):
-            pzs = [of[id(leaf)] for leaf in bucket]
-            rows = Gathering([z.view for _, z in pzs], groups[k]).wait()
+    for leaf, z in entries:
+        by_dim.setdefault(z.shard.mesh_dim, []).append((leaf, z))
+    for k, pairs in by_dim.items():
+        of = {id(leaf): z for leaf, z in pairs}
+        for bucket in param_buckets([leaf for leaf, _ in pairs], bucket_bytes):
+            zs = [of[id(leaf)] for leaf in bucket]
+            rows = Gathering([z.view for z in zs], groups[k]).wait()
             with torch.no_grad():
-                copy_into(rows, bucket, [z.view.shape for _, z in pzs],
-                          [z.shard.dim for _, z in pzs], groups[k].size())
-            for p, z in pzs:
-                z.version = p._version
+                copy_into(rows, bucket, [z.view.shape for z in zs], [z.shard.dim for z in zs],
+                          groups[k].size())
 
 
 IN_FLIGHT = 2  # reduce-scatters launched and not yet waited for, at most (their buffers live)

@@ -290,3 +290,33 @@ def plan_chooses_the_mesh() -> list:
     pm = autopar.parallelize(model, plan=plan, loss_fn=loss_fn, example_inputs=(x, y))
     check_training(pm, ref, loss_fn, x, y, 2)
     return list(plan.mesh.shape)
+
+
+def optimizer_kernels(mesh_shape, force) -> None:
+    """Optimizers that update the parameters below autograd train as on one device: AdamW's
+    foreach and fused kernels (foreach is torch's default for DTensors on GPUs) and an update
+    through `p.data`, as hand-written optimizers make it. Under ZeRO the whole copies the
+    programs use are gathered from the stepped shards before every step, whichever way
+    they were stepped."""
+    for kind in ("foreach", "fused", "data"):
+        pm, ref, loss_fn, x, y = _pair("mlp", mesh_shape, force)
+        pm.build((x, y))
+        kw = {kind: True} if kind != "data" else {}
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, **kw)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for _ in range(2):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            loss = pm.step(x, y)
+            ref_loss = loss_fn(ref(x), y)
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+            if kind == "data":
+                mine = dict(ref.named_parameters())
+                for n, p in pm.named_parameters():
+                    p.data.add_(p.grad.data, alpha=-0.1)
+                    mine[n].data.add_(mine[n].grad.data, alpha=-0.1)
+            else:
+                opt.step()
+                ref_opt.step()
+        _same_parameters(pm, ref)

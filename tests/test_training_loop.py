@@ -23,6 +23,11 @@ def test_clip_grad_norm_on_two_dimensions(world4, force):
     world4.run(loop_tasks.clip_equivalence, "gpt", (2, 2), force, True)
 
 
+@pytest.mark.parametrize("force", ["zero1", "zero2", "fsdp"])
+def test_optimizers_that_update_below_autograd(world2, force):
+    world2.run(loop_tasks.optimizer_kernels, (2,), force)
+
+
 @pytest.mark.parametrize("force", ["tensor", "fsdp"])
 def test_parameter_groups_by_name(world2, force):
     names = world2.run(loop_tasks.param_groups_by_name, "gpt", (2,), force)[0]
