@@ -57,7 +57,8 @@ class PlanOptions:
                       batch does not fit); with "pp": the pipeline's microbatches
     Pipelines (a mesh dimension named "pp"):
       schedule ("gpipe", "1f1b", "interleaved"), virtual_stages
-      loss_reduction  how the loss combines a batch ("mean" or "sum")
+      loss_reduction  how the loss combines a batch ("mean" or "sum"), for microbatches
+                      (accumulation or pipelines) of a loss whose last op does not say
     Inputs:
       per_rank_inputs names of mesh dimensions over which every rank passes its own slice of
                       the batch (dimension 0 of every input and the target, concatenated in

@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate
 
 from autopar.passes import strategies as strat_pass
+from autopar.passes.loss_weights import LossWeights, microbatch_weights, of_program
 from autopar.passes.pipeline_split import ValueMeta, layer_blocks, split_stages
 from autopar.passes.recompute_regions import wrap_recomputed
 from autopar.passes.rewrite import rewrite
@@ -93,6 +94,7 @@ class _Built:
     runner: ParallelModule
     target: tuple | None
     random_ops: list[str]
+    loss_weights: LossWeights = LossWeights()
 
     @property
     def plan(self) -> Plan:
@@ -162,8 +164,8 @@ class Parallelized(nn.Module):
             call = self._split(args, kwargs, step=True)
             built = self._program_for(call, step=True)
             m = built.plan.accumulation
-            return built.runner.step([microbatch(call, m, i).tensors for i in range(m)],
-                                     mean=self._options.loss_reduction == "mean")
+            parts = [microbatch(call, m, i).tensors for i in range(m)]
+            return built.runner.step(parts, self._microbatch_weights(built.loss_weights, parts))
 
     def forward(self, *args, **kwargs):
         """Inference: returns what the original model returns, whole, on every rank."""
@@ -172,6 +174,22 @@ class Parallelized(nn.Module):
                 return self._pipeline_call(args, kwargs, step=False)
             call = self._split(args, kwargs, step=False)
             return self._program_for(call, step=False).runner.infer(call.tensors)
+
+    def _microbatch_weights(self, weights: LossWeights, parts: list[list[torch.Tensor]]
+                            ) -> list[float]:
+        """The weight of each microbatch's loss in the whole batch's (passes/loss_weights.py):
+        for a loss that averages the targets it counts, each microbatch's count over the
+        batch's, counted before the step (the same on every rank: the inputs agree)."""
+        m = len(parts)
+        if m > 1 and weights.exact():  # a plan given with accumulation (the planner refuses)
+            raise ValueError(f"this plan accumulates gradients over {m} microbatches, which "
+                             f"would not compute what the whole batch does: "
+                             f"{weights.exact()}. Plan again with microbatches=1.")
+        counts = None
+        if m > 1 and weights.kind == "targets":
+            with torch.no_grad():
+                counts = [int(weights.counter(*tensors)) for tensors in parts]
+        return microbatch_weights(weights, counts, m, self._options.loss_reduction == "mean")
 
     def _split(self, args, kwargs, step) -> Call:
         try:
@@ -301,7 +319,8 @@ class Parallelized(nn.Module):
         target = None
         if program.has_target:
             target = (tuple(call.target.shape), call.target.dtype)
-        built = _Built(runner, target, program.random_ops)
+        built = _Built(runner, target, program.random_ops,
+                       of_program(program, bool(self._options.per_rank_inputs)))
         self._runners.setdefault(self._model_key(call), []).append(built)
         return built
 
@@ -481,7 +500,12 @@ class Parallelized(nn.Module):
                 "pipelined models run the program traced in training mode; this model draws "
                 "random numbers there (" + "; ".join(self._pipeline.random_ops[:3]) + "), so "
                 "eval() cannot be honoured: evaluate it without a pp mesh dimension"))
-        return self._pipeline.step(*args) if step else self._pipeline.infer(*args)
+        if not step:
+            return self._pipeline.infer(*args)
+        m = self._pipeline.plan.pipeline.microbatches
+        parts = [microbatch(call, m, i).tensors for i in range(m)]
+        return self._pipeline.step(*args, weights=self._microbatch_weights(
+            self._pipeline.loss_weights, parts))
 
     def _build_pipeline(self, example_inputs) -> PipelineModule:
         """As `_build`, for a mesh with a "pp" dimension: each rank keeps its stages' programs,
@@ -509,6 +533,11 @@ class Parallelized(nn.Module):
             graph = strat_pass.build(program, spec.without(pipe.mesh_dim).shape)
             choice = choice_from_plan(chosen, graph)
             blocks = layer_blocks(program, graph)
+            why = of_program(program).exact()
+            if why and pipe.microbatches > 1:
+                raise ValueError(f"a pipeline runs the batch as {pipe.microbatches} "
+                                 "microbatches, which would not compute what the whole batch "
+                                 f"does: {why}. Plan it without a pp mesh dimension")
             if blocks.names != pipe.blocks:
                 raise ValueError("this model traces into other layer blocks than the plan's "
                                  f"({blocks.names} vs {pipe.blocks}); re-plan with "
@@ -547,6 +576,7 @@ class Parallelized(nn.Module):
             num_inputs, programs.loss_placement, self._device, self._full_meta,
             self._compute_dtype)
         self._pipeline.random_ops = program.random_ops
+        self._pipeline.loss_weights = of_program(program)
         self._last_plan = chosen
         return self._pipeline
 

@@ -10,6 +10,7 @@ from collections import defaultdict
 
 from autopar.passes import strategies as strat_pass
 from autopar.passes.cluster import cluster
+from autopar.passes.loss_weights import of_program
 from autopar.passes.pipeline_split import layer_blocks
 from autopar.passes.placement import Placements, R, Shard, fmt, local_shape
 from autopar.passes.recompute import NONE as NO_RECOMPUTE
@@ -441,6 +442,17 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
     m = rounds.counts[rounds.next]
     levels, recompute = rounds.levels, rounds.recompute()
     program = trace_at(m)
+    why = of_program(program, bool(options.per_rank_inputs)).exact() if m > 1 else ""
+    if why and options.microbatches is not None:
+        raise ValueError(f"microbatches={m}: gradient accumulation would not compute what the "
+                         f"whole batch does: {why}. Pass microbatches=1 (and recompute= or a "
+                         "larger memory_budget where the batch does not fit)")
+    if why:  # no count but the whole batch computes the model's result: stop at it
+        error = NoFeasiblePlan(f"{rounds.error}; gradient accumulation would not compute what "
+                               f"the whole batch does: {why}",
+                               rounds.error.dominant, rounds.error.activations_matter) \
+            if rounds.error is not None else rounds.error
+        return dataclasses.replace(rounds, error=error, done=True)
     found, error = list(rounds.found), rounds.error
     plain = False  # a plan fits at this count without recomputing more than levels[0]
     # Each level only adds work to every plan (parameters gathered again, ops recomputed):

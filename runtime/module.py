@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from autopar.passes.emitted import META_KEY
 from autopar.passes.rewrite import LocalPrograms
 from autopar.passes.torch_compat import tree_unflatten
 
@@ -23,8 +24,11 @@ from .regather import resharding
 
 
 def placeholders(gm: torch.fx.GraphModule) -> list[str]:
-    """The names of a program's inputs, in call order."""
-    return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    """The names of a program's inputs, in call order, as the traced program names them
+    (the rewrite records each one's origin: FX renames a placeholder whose name is a Python
+    builtin, such as nn.Sequential's `input`)."""
+    return [getattr(n.meta.get(META_KEY), "origin", None) or n.name
+            for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 class ParallelModule:
@@ -68,33 +72,36 @@ class ParallelModule:
                 args.append(given[name])
         return args
 
-    def step(self, microbatches: list[list[torch.Tensor]], mean: bool = True) -> torch.Tensor:
+    def step(self, microbatches: list[list[torch.Tensor]],
+             weights: list[float] | None = None) -> torch.Tensor:
         """Forward and backward of each microbatch (gradient accumulation when there are
         several: the gradients add up locally and are synchronized once, overlapped with the
-        last microbatch's backward); returns the loss (the same on every rank): the mean of
-        the microbatches' losses (`mean`, for a loss that averages its batch) or their sum.
-        Gradients of the local shards are complete when this returns."""
+        last microbatch's backward); returns the loss (the same on every rank): the sum of
+        the microbatches' losses, each times its weight (`weights`, passes/loss_weights.py:
+        the whole batch's loss; 1/m each when not given). Gradients of the local shards are
+        complete when this returns."""
         self._store.refresh()  # ZeRO shards stepped since the last program ran
         self._store.pull_grads()
         m = len(microbatches)
-        scale = 1.0 / m if mean else 1.0
+        weights = weights or [1.0 / m] * m
         total = None
         for i, tensors in enumerate(microbatches):
             # FSDP parameters the plan reshards after forward are gathered again in backward
             with resharding(self._comm) if self.plan.resharded else contextlib.nullcontext():
                 (loss,) = self._programs.train(*self._feed(self._train_inputs, tensors))
-            value = loss.detach() if total is None else total + loss.detach()
-            total = value
+            part = loss.detach() * weights[i] if m > 1 else loss.detach()
+            total = part if total is None else total + part
             last = i == m - 1
             # the loss value is summed for reporting while the last backward runs (in a
             # gradient bucket)
-            report = PendingSum(total * scale, self._comm.groups,
+            report = PendingSum(total, self._comm.groups,
                                 self._loss.pending_dims) if last else None
             if i == 0:
                 self._grad_sync.begin(report, hold=not last)
             elif last:
                 self._grad_sync.release(report)
-            loss.backward(torch.full_like(loss, self._loss.seed * scale))
+            seed = self._loss.seed * weights[i] if m > 1 else self._loss.seed
+            loss.backward(torch.full_like(loss, seed))
             if not last:
                 self._grad_sync.microbatch_done()
         self._grad_sync.finish()

@@ -31,6 +31,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import Replicate
 
 from autopar.passes import torch_compat
+from autopar.passes.loss_weights import LossWeights
 from autopar.passes.pipeline_split import StageProgram, ValueMeta
 from autopar.passes.placement import local_shape
 
@@ -140,6 +141,8 @@ class PipelineModule:
         self._local = [s for s in range(num_stages) if s % self._p == pp_coord]
         self._last_rank = (num_stages - 1) % self._p
         self._full_meta = full_meta
+        self.random_ops: list[str] = []  # the draws the program makes (set by its builder)
+        self.loss_weights = LossWeights()  # how its microbatches' losses add up (likewise)
         _, self._owner, self._shared = stage_parameters(train + infer, param_names, self._p,
                                                         pp_coord)
         self._by_name = store.leaves
@@ -154,10 +157,10 @@ class PipelineModule:
 
         self._loss = loss_seeding(loss_placement, self._sub_shape)
         m = pipe.microbatches
-        scale = self._loss.seed / m if pipe.loss_reduction == "mean" else self._loss.seed
+        seed = self._loss.seed
 
-        def loss_fn(output, target):
-            return output * scale
+        def loss_fn(output, weight):  # the schedule hands each microbatch its weight's chunk
+            return output * (weight.sum() * seed)
 
         root = tuple(meta.empty() for meta in root_inputs)
         train_stages = [self._stage(train[s], by_placeholder, constants, root, True, num_stages)
@@ -165,7 +168,6 @@ class PipelineModule:
         cls = SCHEDULES[pipe.schedule]
         args = train_stages if pipe.schedule == "interleaved" else train_stages[0]
         self._train = cls(args, m, loss_fn=loss_fn, scale_grads=False)
-        self._dummy_target = torch.zeros(m, device=device)
         self._sink: list = []
         infer_stages = [self._stage(infer[s], by_placeholder, constants, root, False,
                                     num_stages) for s in self._local]
@@ -203,16 +205,19 @@ class PipelineModule:
                         f"input of shape {tuple(t.shape)}. Re-plan for the new batch.")
         return None
 
-    def step(self, *inputs) -> torch.Tensor:
-        """Forward and backward of the global batch through the pipeline schedule; returns the
-        loss (the same on every rank). Gradients of the local shards are complete on return."""
+    def step(self, *inputs, weights: list[float]) -> torch.Tensor:
+        """Forward and backward of the global batch through the pipeline schedule, each
+        microbatch's loss times its weight (`weights`, passes/loss_weights.py: their sum is
+        the whole batch's loss); returns that loss (the same on every rank). Gradients of the
+        local shards are complete on return."""
         *inputs, target = inputs
         feeds = dict(zip(self._input_names, [*inputs, target]))
         first = tuple(inputs) if 0 in self._local else ()
         losses: list = []
         self._store.pull_grads()
-        self._train.step(*first, target=self._dummy_target, losses=losses,
-                         return_outputs=False, **feeds)
+        self._train.step(*first, target=torch.tensor(weights, dtype=self._loss_dtype,
+                                                     device=self._device),
+                         losses=losses, return_outputs=False, **feeds)
         for k, params in self._replicated:
             sum_grads(params, self._comm.groups[k])
         self._sync_shared()

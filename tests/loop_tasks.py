@@ -320,3 +320,35 @@ def optimizer_kernels(mesh_shape, force) -> None:
                 opt.step()
                 ref_opt.step()
         _same_parameters(pm, ref)
+
+
+def _sum_loss(output, target):
+    return F.cross_entropy(output, target, reduction="sum")
+
+
+def accumulation_weights(mesh_shape, force=None) -> str:
+    """Gradient accumulation weights each microbatch's loss as the whole batch's loss
+    weighs it: targets padded with ignore_index unevenly over the batch (the mean divides by
+    the targets each microbatch counts), and a loss summed over the batch (weight 1, read
+    from the loss's last op, whatever loss_reduction says). BatchNorm in training mode
+    cannot be split: asking for microbatches is an error naming it. Returns that error."""
+    pm, ref, loss_fn, x, y = _pair("gpt_padded", mesh_shape, force, microbatches=2)
+    pm.build((x, y))
+    check_training(pm, ref, loss_fn, x, y, 2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 8)).double()
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 8, (8,))
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=_sum_loss, force=force,
+                             microbatches=2, example_inputs=(x, y))
+    check_training(pm, ref, _sum_loss, x, y, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32),
+                                torch.nn.Linear(32, 8)).double()
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=F.cross_entropy,
+                             force=force, microbatches=2)
+    try:
+        pm.step(x, y)
+    except Exception as e:  # raised on every rank (planning is agreed)
+        return str(e)
+    raise AssertionError("microbatches=2 with BatchNorm in training mode did not raise")

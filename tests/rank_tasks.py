@@ -55,6 +55,14 @@ def build(name):
     if name == "gpt":
         model = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
                                       n_embd=32))
+    elif name == "gpt_padded":  # targets padded with ignore_index, unevenly over the batch
+        model = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
+                                      n_embd=32))
+        x = torch.randint(0, 64, (4, 16))
+        y = torch.randint(0, 64, (4, 16))
+        for row, kept in enumerate((3, 16, 9, 12)):
+            y[row, kept:] = -100
+        return model, zoo.lm_loss, (x, y)
     elif name == "gpt_deep":  # 4 identical blocks: traced once and copied (passes/fold.py)
         model = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4,
                                       n_embd=32))

@@ -1,10 +1,15 @@
 """The calls a training loop makes on a parallelized model give the numbers they give on one
 device, under every kind of plan: gradient clipping, parameter groups by name, state_dict,
 ranks that built different models, a new batch size, per-rank batches, keyword batches of a
-model that computes its own loss, train and eval modes."""
+model that computes its own loss, train and eval modes, optimizers that step below autograd,
+gradient accumulation weighting each microbatch as the batch weighs it."""
 
 import pytest
+import torch
+import torch.nn.functional as F
 
+from autopar.passes.loss_weights import microbatch_weights, of_program
+from autopar.passes.trace import trace
 from tests import loop_tasks
 
 STYLES = [None, "data", "tensor", "fsdp"]
@@ -26,6 +31,12 @@ def test_clip_grad_norm_on_two_dimensions(world4, force):
 @pytest.mark.parametrize("force", ["zero1", "zero2", "fsdp"])
 def test_optimizers_that_update_below_autograd(world2, force):
     world2.run(loop_tasks.optimizer_kernels, (2,), force)
+
+
+@pytest.mark.parametrize("force", [None, "zero1"])
+def test_accumulation_weights_microbatches_as_the_batch(world2, force):
+    for error in world2.run(loop_tasks.accumulation_weights, (2,), force):
+        assert "BatchNorm in training mode" in error and "microbatches=1" in error
 
 
 @pytest.mark.parametrize("force", ["tensor", "fsdp"])
@@ -87,3 +98,34 @@ def test_planner_accumulates_when_the_batch_does_not_fit(world2):
 
 def test_gradient_accumulation_on_two_dimensions(world4):
     world4.run(loop_tasks.accumulation_equivalence, (2, 2), {"dp": "fsdp", "tp": "tensor"}, 2)
+
+
+def test_loss_weights_read_from_the_loss():
+    """What the traced loss's last op says about its microbatches: a cross-entropy's mean
+    over the targets it counts (counted from the inputs, through the labels' shift, as a
+    Hugging Face causal LM makes them), a sum, a mean, a composite loss left to
+    loss_reduction, and BatchNorm in training mode (not in eval mode) coupling the batch."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    x, y = torch.randn(6, 8), torch.tensor([0, -100, 2, -100, -100, 1])
+    ce = of_program(trace(mlp, (x,), F.cross_entropy, y))
+    assert ce.kind == "targets" and not ce.exact()
+    assert int(ce.counter(x, y)) == 3
+    assert microbatch_weights(ce, [1, 2], 2, True) == [1 / 3, 2 / 3]
+    assert of_program(trace(mlp, (x,), lambda o, t: F.cross_entropy(o, t, reduction="sum"),
+                            y)).kind == "sum"
+    assert of_program(trace(mlp, (x,), lambda o, t: (o - t).pow(2).mean(),
+                            torch.randn(6, 4))).kind == "mean"
+    both = of_program(trace(mlp, (x,), lambda o, t: F.cross_entropy(o, t) + o.pow(2).mean(), y))
+    assert both.kind == "" and microbatch_weights(both, None, 2, False) == [1.0, 1.0]
+    assert of_program(trace(mlp, (x,), F.cross_entropy, y), per_rank_inputs=True).refused
+
+    shifted = lambda o, t: F.cross_entropy(o[:-1], t[1:])  # noqa: E731
+    lm = of_program(trace(mlp, (x,), shifted, y))
+    assert int(lm.counter(x, y)) == 2  # y[1:] has 2 targets that count
+
+    bn = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    coupled = of_program(trace(bn, (x,), lambda o, t: o.pow(2).mean(), torch.randn(6, 8)))
+    assert "BatchNorm in training mode" in coupled.exact() and "module 1" in coupled.exact()
+    bn.eval()
+    assert not of_program(trace(bn, (x,), lambda o, t: o.pow(2).mean(), torch.randn(6, 8),
+                                )).exact()
