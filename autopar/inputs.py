@@ -91,6 +91,22 @@ def check_device(call: Call, device: torch.device) -> str | None:
     return None
 
 
+def check_no_input_grads(call: Call) -> str | None:
+    """An error message if an input asks for its gradient (requires_grad=True): a step
+    computes the gradients of the parameters only (each rank would get only its rows of an
+    input's)."""
+    names = [*(f"input {i}" for i in range(len(call.args))),
+             *(["the target"] if call.target is not None else []),
+             *(f"input {k!r}" for k, _ in call.kwargs)]
+    wants = [n for n, t in zip(names, call.tensors) if t.requires_grad]
+    if not wants:
+        return None
+    return (f"{', '.join(wants)} requires grad: step() computes the gradients of the model's "
+            "parameters, not of its inputs (each rank would hold only its rows of them). "
+            "Pass the inputs detached (x.detach()); for gradients with respect to an input, "
+            "make it a parameter of the model")
+
+
 def global_call(call: Call, pieces: int) -> Call:
     """The global batch a per-rank call is a slice of (`pieces` slices along dimension 0), as
     zeros of the global shape: what the program is traced for."""

@@ -39,7 +39,7 @@ from autopar.passes.pipeline_split import ValueMeta, layer_blocks, split_stages
 from autopar.passes.recompute_regions import wrap_recomputed
 from autopar.passes.rewrite import rewrite
 from autopar.passes.torch_compat import persistent_buffers
-from autopar.passes.trace import TracedProgram, TraceError, meta_copy, trace
+from autopar.passes.trace import TracedProgram, TraceError, meta_copy, trace, untraced_hooks
 from autopar.passes.zero import zero_shard
 from autopar.runtime.collectives import MeshComm
 from autopar.runtime.control import Control, RankError, agreed, content_hash, signature
@@ -55,6 +55,7 @@ from .inputs import (
     Call,
     batch_of,
     check_device,
+    check_no_input_grads,
     global_call,
     microbatch,
     on_meta,
@@ -114,6 +115,9 @@ class Parallelized(nn.Module):
     def __init__(self, model: nn.Module, mesh, spec: MeshSpec, options: PlanOptions, loss_fn,
                  plan: Plan | None, init_fn=None):
         super().__init__()
+        hooks = untraced_hooks(model)
+        if hooks:
+            raise ValueError(hooks)
         self._init_fn = init_fn
         self._compute_dtype = compute_dtype(options.precision)
         self._source = _Hidden(model)          # the user's model, until the first build
@@ -175,6 +179,17 @@ class Parallelized(nn.Module):
             call = self._split(args, kwargs, step=False)
             return self._program_for(call, step=False).runner.infer(call.tensors)
 
+    def _module_hooks(self) -> str | None:
+        """An error message if a hook was registered on one of this model's modules (they
+        hold the parameters under the model's names; the programs never call them)."""
+        for name, m in self.named_modules():
+            if name and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or
+                         m._backward_pre_hooks):
+                return (f"a hook was registered on module {name} of the parallelized model; "
+                        "its programs never call the modules, so it would never run. Register "
+                        "forward hooks on the model before parallelize (they are traced)")
+        return None
+
     def _microbatch_weights(self, weights: LossWeights, parts: list[list[torch.Tensor]]
                             ) -> list[float]:
         """The weight of each microbatch's loss in the whole batch's (passes/loss_weights.py):
@@ -203,7 +218,8 @@ class Parallelized(nn.Module):
     def _program_for(self, call: Call, step: bool) -> _Built:
         key = self._model_key(call)
         built = self._find(key, call, step)
-        error = check_device(call, self._device)
+        error = check_device(call, self._device) or (check_no_input_grads(call) if step
+                                                     else None) or self._module_hooks()
         if step and not torch.is_grad_enabled():
             error = ("step() runs the backward pass: call it outside torch.no_grad() / "
                      "torch.inference_mode() (use the forward call for inference)")
@@ -489,6 +505,8 @@ class Parallelized(nn.Module):
                 call = split_call(args, {}, with_target=step)
             except TraceError as e:
                 error = str(e)
+        if error is None and step:
+            error = check_no_input_grads(call) or self._module_hooks()
         if error is None and self._pipeline is not None:
             error = self._pipeline.check(call.args)
         rows = self._agree_inputs(call, error, "step()" if step else "the forward call")

@@ -500,6 +500,30 @@ def random_draws(gm: fx.GraphModule) -> list[str]:
 
 
 
+def untraced_hooks(model: nn.Module) -> str | None:
+    """Why `model` cannot be traced as it runs, or None: hooks that run in backward (a
+    module's full backward hooks, a parameter's gradient hooks) are not part of the traced
+    forward, so the programs would never run them. Forward hooks and pre-hooks are traced."""
+    for name, m in model.named_modules():
+        if m._backward_hooks or m._backward_pre_hooks:
+            return (f"module {name or type(m).__name__} ({type(m).__name__}) has a backward "
+                    "hook (register_full_backward_hook / register_backward_hook), which the "
+                    "traced programs would never run; remove it, or do its work on the "
+                    "gradients after step() returns")
+    for name, p in model.named_parameters():
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            return gradient_hook_message(name)
+    return None
+
+
+def gradient_hook_message(name: str) -> str:
+    """The error for a gradient hook on parameter `name`."""
+    return (f"parameter {name} has a gradient hook (register_hook or "
+            "register_post_accumulate_grad_hook), which autopar never runs: it computes "
+            "gradients on copies of its own. Transform the gradients after step() returns "
+            "(p.grad is complete then), or before the optimizer step")
+
+
 def source_line(node: fx.Node) -> str:
     """The model line that made `node` ("File ..., line N, in f: code"), or "" when FX recorded
     none: the innermost frame of its stack trace outside torch."""

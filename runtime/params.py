@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.passes.placement import Placements, local_slices
 from autopar.passes.reshard import BUCKET_BYTES
+from autopar.passes.trace import gradient_hook_message
 from autopar.passes.zero import ZeroShard
 
 from .zero import ZeroParam, gather_stepped, shard_view
@@ -197,6 +198,8 @@ class ParameterStore:
                     f"requires_grad of parameter {name} changed after parallelize; freeze or "
                     "unfreeze parameters before parallelize (the plan prices and synchronizes "
                     "gradients of the parameters that train)")
+            if p._backward_hooks or p._post_accumulate_grad_hooks:
+                raise RuntimeError(gradient_hook_message(name))
             g = p.grad
             if name in self.zero:  # the shard's gradient; the leaf's is reduce-scattered into it
                 self.zero[name].grad = None if g is None else g.to_local()

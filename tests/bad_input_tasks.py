@@ -148,6 +148,21 @@ def attempt(kind: str) -> str:
             pm = autopar.parallelize(model, _mesh(), loss_fn=loss_fn, example_inputs=(x, y))
             next(pm.parameters()).requires_grad_(False)
             pm.step(x, y)
+        elif kind == "input_requires_grad":
+            pm = autopar.parallelize(model, _mesh(), loss_fn=loss_fn, example_inputs=(x, y))
+            pm.step(x.clone().requires_grad_(), y)
+        elif kind == "backward_hook_on_the_model":
+            model.net[0].register_full_backward_hook(lambda m, gi, go: None)
+            autopar.parallelize(model, _mesh(), loss_fn=loss_fn, example_inputs=(x, y))
+        elif kind == "gradient_hook_on_a_parameter":
+            pm = autopar.parallelize(model, _mesh(), loss_fn=loss_fn, example_inputs=(x, y))
+            next(pm.parameters()).register_hook(lambda g: g * 2)
+            pm.step(x, y)
+        elif kind == "hook_on_a_parallelized_module":
+            pm = autopar.parallelize(model, _mesh(), loss_fn=loss_fn, example_inputs=(x, y))
+            next(m for name, m in pm.named_modules() if name).register_forward_hook(
+                lambda m, i, o: o * 2)
+            pm.step(x, y)
         elif kind == "step_under_no_grad":
             pm = autopar.parallelize(model, _mesh(), loss_fn=loss_fn, example_inputs=(x, y))
             with torch.no_grad():
