@@ -44,12 +44,13 @@ class Call:
         return [*self.args, *([self.target] if self.target is not None else []),
                 *(t for _, t in self.kwargs)]
 
-    def key(self, training: bool) -> tuple:
-        """What identifies the model's program for this call: the mode and the model inputs'
-        names, shapes and dtypes (the target is matched separately)."""
+    def key(self, modes) -> tuple:
+        """What identifies the model's program for this call: the modules' modes (`modes`,
+        their train / eval flags) and the model inputs' names, shapes and dtypes (the target
+        is matched separately)."""
         kinds = tuple(TensorKind(tuple(t.shape), t.dtype)
                       for t in [*self.args, *(t for _, t in self.kwargs)])
-        return (training, tuple(k for k, _ in self.kwargs), len(self.args), kinds)
+        return (modes, tuple(k for k, _ in self.kwargs), len(self.args), kinds)
 
     def describe(self) -> str:
         """The inputs in words, for errors."""

@@ -129,6 +129,15 @@ class Parallelized(nn.Module):
         self._loss_fn = loss_fn
         self._given_plan = plan
         self.training = model.training
+        # The model's module tree, empty until the parameters are placed into it under the
+        # model's names: its train / eval flags (as the model had them, then as train(),
+        # eval() and a submodule's own set them) are the ones the programs are traced with.
+        for name, m in model.named_modules():
+            if name:
+                owner, last = skeleton_child(self, name)
+                if last not in owner._modules:
+                    owner.add_module(last, nn.Module())
+                owner._modules[last].training = m.training
         self._control = Control()
         self._device = _device_of(mesh)
         self._runners: dict[tuple, list[_Built]] = {}
@@ -273,7 +282,11 @@ class Parallelized(nn.Module):
                 "shuffling) on a torch.Generator of its own", rows, 2)
 
     def _model_key(self, call: Call) -> tuple:
-        return call.key(self.training)
+        return call.key(self._modes())
+
+    def _modes(self) -> tuple[bool, ...]:
+        """The train / eval flag of every module of the model, in order."""
+        return tuple(m.training for m in self.modules())
 
     def _find(self, key, call: Call, step: bool) -> _Built | None:
         target = None if call.target is None else (tuple(call.target.shape), call.target.dtype)
@@ -291,7 +304,7 @@ class Parallelized(nn.Module):
 
         def trace_at(m: int) -> TracedProgram:  # the model on one of m microbatches
             if m not in traces:
-                traces[m] = self._trace(microbatch(call, m), step, self.training)
+                traces[m] = self._trace(microbatch(call, m), step)
             return traces[m]
 
         # Every rank traces the model on the microbatches the plan will most likely take (the
@@ -340,9 +353,11 @@ class Parallelized(nn.Module):
         self._runners.setdefault(self._model_key(call), []).append(built)
         return built
 
-    def _trace(self, call: Call, with_loss: bool, training: bool) -> TracedProgram:
+    def _trace(self, call: Call, with_loss: bool) -> TracedProgram:
         model = self._meta.obj
-        model.train(training)
+        modes = dict(zip((name for name, _ in self.named_modules()), self._modes()))
+        for name, m in model.named_modules():  # each module in its own mode (see __init__)
+            m.training = modes.get(name, self.training)
         traced_call = on_meta(call)
         if self._options.per_rank_inputs:
             traced_call = global_call(call, pieces_of(self._spec.shape, self._spec.names,

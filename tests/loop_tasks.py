@@ -352,3 +352,39 @@ def accumulation_weights(mesh_shape, force=None) -> str:
     except Exception as e:  # raised on every rank (planning is agreed)
         return str(e)
     raise AssertionError("microbatches=2 with BatchNorm in training mode did not raise")
+
+
+def submodule_modes(mesh_shape, force=None) -> None:
+    """Each module runs in its own mode, as on one device: BatchNorm frozen (eval) inside a
+    model in training mode before parallelize, then through the parallelized model's own
+    submodule after it (eval of one block, train of the whole), and dropout (a module without
+    parameters) switched off alone."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32),
+                                torch.nn.Dropout(0.5), torch.nn.Linear(32, 8)).double()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 8, (8,))
+    model.train()
+    model[1].eval()
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=F.cross_entropy, force=force,
+                             example_inputs=(x, y))
+    for step, modes in enumerate(((), ((2, False),), ((1, True), (2, False)))):
+        for i, training in modes:
+            pm.get_submodule(str(i)).train(training)
+            ref[i].train(training)
+        torch.manual_seed(step)
+        loss = pm.step(x, y)
+        torch.manual_seed(step)
+        ref_loss = F.cross_entropy(ref(x), y)
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        state = pm.state_dict()
+        check_equal("buffer", state, {n: b for n, b in ref.named_buffers() if n in state})
+    pm.train()
+    ref.train()
+    torch.manual_seed(9)
+    loss = pm.step(x, y)
+    torch.manual_seed(9)
+    torch.testing.assert_close(loss, F.cross_entropy(ref(x), y).detach(), rtol=RTOL, atol=ATOL)

@@ -39,6 +39,11 @@ def test_accumulation_weights_microbatches_as_the_batch(world2, force):
         assert "BatchNorm in training mode" in error and "microbatches=1" in error
 
 
+@pytest.mark.parametrize("force", ["data", "tensor"])
+def test_submodules_keep_their_own_modes(world2, force):
+    world2.run(loop_tasks.submodule_modes, (2,), force)
+
+
 @pytest.mark.parametrize("force", ["tensor", "fsdp"])
 def test_parameter_groups_by_name(world2, force):
     names = world2.run(loop_tasks.param_groups_by_name, "gpt", (2,), force)[0]
