@@ -204,10 +204,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     # freed is solved again: under the budget less half the difference, then less each
     # further plan's whole difference: the difference is the plan's own, and a budget cut by
     # all of it can rule out faster plans that fit (an 8B-shaped layer pair on (8, 8) under
-    # 2 GiB: 0.165 s at 1.92 GiB against 0.103 s at 1.98 GiB). When a re-solve returns the
-    # same plan (its exact count over the budget by more than the cuts so far: the same
-    # pair under 5.25 GiB, 1.7 MiB over while the ILP counted it 15 MiB less), each further
-    # cut doubles, from a thousandth of the budget.
+    # 2 GiB: 0.165 s at 1.92 GiB against 0.103 s at 1.98 GiB).
     # The re-solves reuse the prices, and are solved under the budget at once (the budget
     # binds: the plan before did not fit).
     ilp_budget, priced = budget, cost
@@ -226,7 +223,6 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
             raise Outpaced(f"no plan recomputing {recompute or options.recompute or 'none'}"
                            f" over {accumulation} microbatch(es) steps under {floor:.4g} s")
     fastest = fastest if fastest is not None else []
-    cut, before = 0.0, None  # the last cut of the ILP's budget; the plan it was made for
     for attempt in range(RESOLVES + 1):
         try:
             sol = solve(graph, priced, memory_budget=ilp_budget, backend=options.solver,
@@ -254,10 +250,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
         over = sum(memory.values()) - budget
         if over <= budget * 1e-6 or attempt == RESOLVES:
             break
-        cut = over / 2 if attempt == 0 else max(2 * cut, budget * 1e-3) \
-            if sol.choice == before else over
-        before = sol.choice
-        ilp_budget -= cut
+        ilp_budget -= over / 2 if attempt == 0 else over
     plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
                     options=options, memory=memory, twin=clusters.twin)
     if plan.cost.peak_memory > budget * (1 + 1e-6):
@@ -621,16 +614,12 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
             times[key] = cost.compute_times(v, s)
         return times[key]
 
-    moved: dict[tuple, tuple[list, Split]] = {}  # by edge key and placements
+    moved: dict[tuple, list] = {}  # by edge key and placements
 
-    def edge_prices(e: Edge, src, dst) -> tuple[list, Split]:
-        """The edge's collectives, and its seconds by where they run (the critical ones of a
-        parameter's edge are the copies around its FSDP gather: compute)."""
+    def edge_collectives(e: Edge, src, dst) -> list:
         key = (edge_key(cost, twin, e), src, dst)
         if key not in moved:
-            consumer = graph.nodes[e.consumer]
-            moved[key] = (cost.edge_collectives(graph, consumer, e.slot, src, dst),
-                          cost.edge_split(graph, consumer, e.slot, src, dst))
+            moved[key] = cost.edge_collectives(graph, graph.nodes[e.consumer], e.slot, src, dst)
         return moved[key]
 
     ops, collectives = [], []
@@ -665,15 +654,12 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
         for slot, (u, idx) in enumerate(v.inputs):
             src, dst = choice[u].out(idx), s.inputs[slot]
             beside = graph.nodes[u].kind == PARAM
-            priced, split = edge_prices(Edge(v.name, slot, u, idx), src, dst)
-            for kind, k, nbytes, t, phase in priced:
+            for kind, k, nbytes, t, phase in edge_collectives(Edge(v.name, slot, u, idx),
+                                                              src, dst):
                 collectives.append(Collective(kind, k, nbytes, t, phase, v.name))
                 comm[kind] += t
                 if beside:
                     side[kind, "forward" if phase == "forward" else "backward"] += t
-            if beside:  # the copies around an FSDP gather
-                compute += split.forward + split.backward
-                forward += split.forward
     if graph.loss is not None:  # a loss that must be gathered (not a pending sum) costs here
         name, idx = graph.loss
         comm["all_gather"] += loss_sink_time(cost, graph.nodes[name], choice[name].out(idx), idx)

@@ -248,18 +248,12 @@ class CostModel:
         once per target placement: consumers that want the same placement of one tensor,
         such as q, k and v projections of one input, are counted once each, an
         overestimate)."""
-        return self._edge_collectives(graph, consumer, slot, src, dst)[0]
-
-    def _edge_collectives(self, graph: StrategyGraph, consumer: SNode, slot: int,
-                          src: Placements, dst: Placements) -> tuple[list, tuple[float, float]]:
-        """`edge_collectives`, and the (forward, backward) seconds of the copies around an
-        FSDP gather (`gather_copy_times`; 0 for any other edge)."""
         producer = graph.nodes[consumer.inputs[slot][0]]
         idx = consumer.inputs[slot][1]
         dtype = producer.out_dtypes[idx or 0]
         grad = producer.requires_grad and dtype.is_floating_point
         if as_tuple(src) == as_tuple(dst):
-            return [], (0.0, 0.0)
+            return []
         steps = [s for s in plan_steps(consumer.in_shapes[slot], src, dst, self.shape)
                  if self.shape[s.mesh_dim] > 1]
         grouped = producer.kind == PARAM and len(steps) == 1 and steps[0].kind == "all_gather"
@@ -268,11 +262,11 @@ class CostModel:
             if self.recollected(graph, consumer, slot):
                 priced += [(kind, k, nbytes, t, "backward")
                            for kind, k, nbytes, t, phase in priced if phase == "forward"]
-            return priced, (0.0, 0.0)
+            return priced
         whole = self.step_bytes(steps[0], dtype)
         latency = self._bucket_share(graph, producer, whole)
         share = 1.0 / max(1, _graph_facts(graph).consumers[consumer.inputs[slot]])
-        k, n = steps[0].mesh_dim, self.shape[steps[0].mesh_dim]
+        k = steps[0].mesh_dim
         gather = share * self.collective_time("all_gather", k, whole, latency)
         priced = [("all_gather", k, whole, gather, "forward")]
         if grad:
@@ -281,32 +275,9 @@ class CostModel:
             priced.append(("reduce_scatter", k, scattered,
                            share * self.collective_time("reduce_scatter", k, scattered, latency),
                            "backward"))
-        again = self.regathered(graph, consumer, slot, src, dst)
-        if again:
+        if self.regathered(graph, consumer, slot, src, dst):
             priced.append(("all_gather", k, whole, gather, "backward"))
-        fwd, bwd = self.gather_copy_times(whole, n, self.dtype(dtype), grad, again, latency)
-        return priced, (share * fwd, share * bwd)
-
-    def gather_copy_times(self, whole: float, n: int, dtype: torch.dtype, grad: bool,
-                          again: bool, latency: float = 1.0) -> tuple[float, float]:
-        """(forward, backward) seconds of the copies around one FSDP gather of a parameter of
-        `whole` bytes (gathered, in `dtype`) over `n` ranks, as runtime/collectives.py makes
-        them (FSDP2's copy-in and copy-out): forward packs the shard into the all-gather's
-        buffer (one concatenation per bucket: `latency`, the parameter's share of it) and
-        copies the whole tensor out of the gathered rows; backward, for a parameter that
-        trains (`grad`), copies its gradient into the reduce-scatter's rank-major buffer in
-        `reduce_dtype` (a widening copy under mixed precision) and casts its reduced shard
-        back, and for one gathered again (`again`) repeats forward's copies. Memory-bound
-        kernels on the critical path (they run on the compute stream)."""
-        launch = self.hw.launch
-        fwd = self.kernel_seconds(2 * whole / n + 2 * whole) + launch * (1 + latency)
-        bwd = fwd if again else 0.0
-        if grad:
-            wide = reduce_dtype(dtype).itemsize / dtype.itemsize
-            bwd += self.kernel_seconds(whole * (1 + wide), widens=wide > 1) + launch
-            if wide > 1:
-                bwd += self.kernel_seconds(whole / n * (1 + wide)) + launch
-        return fwd, bwd
+        return priced
 
     def recollected(self, graph: StrategyGraph, consumer: SNode, slot: int) -> bool:
         """Whether the resharding of input `slot` of `consumer` runs again in backward: the
@@ -377,16 +348,15 @@ class CostModel:
         need no gradient. Backward includes the forward once more for an op recomputed in
         backward (passes/recompute.py), and the sums of its outputs' gradients when several
         ops read them (solver/traffic.py). A parameter's are the casts of its float32 master
-        to the compute dtype and of its gradient back, under mixed precision, its share of
+        to the compute dtype and of its gradient back, under mixed precision, and its share of
         adding each further microbatch's gradient into the one the step accumulates
-        (`grad_accumulation_seconds`: the step prices m microbatches as m times one), and the
-        copies its gradient synchronization makes (`sync_copy_seconds`)."""
+        (`grad_accumulation_seconds`: the step prices m microbatches as m times one)."""
         if node.kind == PARAM:
             fwd, bwd = self.master_cast_times(node, strategy.output)
             if self.accumulation > 1 and node.requires_grad:
                 bwd += (self.accumulation - 1) / self.accumulation * \
                     self.grad_accumulation_seconds(node, strategy.output, strategy.zero)
-            return fwd, bwd + self.sync_copy_seconds(node, strategy.output, strategy.zero)
+            return fwd, bwd
         fwd, bwd = self._compute_times(node, strategy)
         mode = self.recompute.mode_of.get(node.name)
         if mode == "full" or mode == "selective" and not saved_under_selective(
@@ -422,29 +392,6 @@ class CostModel:
         for the second (benchmarks/RESULTS.md, "One GPU, session 20")."""
         nbytes = self.param_memory_split(node, storage, zero)["gradients"]
         return self.kernel_seconds(3 * nbytes) + self.hw.launch if nbytes else 0.0
-
-    def sync_copy_seconds(self, node: SNode, storage: Placements, zero: int = 0) -> float:
-        """Seconds of the copies a parameter's gradient synchronization (`grad_sync_steps`)
-        makes on the compute stream, per microbatch priced (the step prices m microbatches as
-        m times one, so a copy made once a step counts 1/m): DDP (runtime/grad_sync.py)
-        packs the gradient into its bucket's flat buffer for each mesh dimension it is
-        all-reduced over (one concatenation per bucket: its share of the launch); ZeRO
-        (runtime/zero.py) copies it into the reduce-scatter's rank-major buffer (each
-        microbatch at stage 2, once a step at stage 1) and, before the next forward, packs
-        its stepped shard into the all-gather's buffer and copies the gathered rows into
-        the whole copy."""
-        m, launch = self.accumulation, self.hw.launch
-        total = 0.0
-        for kind, k, nbytes, _ in self.grad_sync_steps(node, storage, zero):
-            share = self._bucket_share(self.graph, node, nbytes)
-            if kind == "all_reduce":
-                total += (self.kernel_seconds(2 * nbytes) + launch * share) / m
-            elif kind == "reduce_scatter":
-                total += (self.kernel_seconds(2 * nbytes) + launch) / (1 if zero >= 2 else m)
-            else:  # the all-gather of ZeRO's stepped shards
-                total += (self.kernel_seconds(2 * nbytes / self.shape[k] + 2 * nbytes) +
-                          launch * (1 + share)) / m
-        return total
 
     def kernel_seconds(self, nbytes: float, widens: bool = False,
                        broadcast: bool = False) -> float:
@@ -751,8 +698,7 @@ class CostModel:
         """`edge_time` by where it runs (see Split): a parameter's gathers from its storage
         (FSDP; the runtime gathers the next bucket while the current one computes,
         runtime/params.py, pipeline stages included) and their gradients' reduce-scatters
-        beside compute, the copies around them (`gather_copy_times`) on the critical path;
-        an activation's resharding (tensor and sequence parallel) on the
+        beside compute; an activation's resharding (tensor and sequence parallel) on the
         critical path, issued once more in backward when its consumer is recomputed in full
         (`recollected`)."""
         producer = graph.nodes[consumer.inputs[slot][0]]
@@ -768,17 +714,16 @@ class CostModel:
             again = fwd if self.recollected(graph, consumer, slot) else 0.0
             return Split(fwd, whole - fwd + again, 0.0, 0.0)
         try:
-            steps, (fwd, bwd) = self._edge_collectives(graph, consumer, slot, src, dst)
+            steps = self.edge_collectives(graph, consumer, slot, src, dst)
         except ReshardError:
             return Split(INFEASIBLE, 0.0, 0.0, 0.0)
-        return Split(fwd, bwd, sum(t for *_, t, phase in steps if phase == "forward"),
+        return Split(0.0, 0.0, sum(t for *_, t, phase in steps if phase == "forward"),
                      sum(t for *_, t, phase in steps if phase != "forward"))
 
     def edge_time(self, graph: StrategyGraph, consumer: SNode, slot: int,
                   src: Placements, dst: Placements) -> float:
         """Resharding seconds on input `slot` of `consumer` from `src` to `dst`, forward and
-        backward (see `edge_collectives`; a parameter's with the copies around its FSDP
-        gather)."""
+        backward (see `edge_collectives`)."""
         return sum(self.edge_split(graph, consumer, slot, src, dst))
 
 

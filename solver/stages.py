@@ -522,12 +522,7 @@ def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> P
         for slot, (u, idx) in enumerate(v.inputs):
             src, dst = choice[u].out(idx), s.inputs[slot]
             out.memory["activations"] += cost.edge_memory(sub, v, slot, src, dst)
-            moved = cost.edge_split(sub, v, slot, src, dst)
-            total = total.plus(moved)
-            if sub.nodes[u].kind == PARAM:  # the copies around an FSDP gather, per microbatch
-                copies = moved.forward + moved.backward
-                out.compute += copies
-                out.time_fixed += copies
+            total = total.plus(cost.edge_split(sub, v, slot, src, dst))
             # The intra-op ILP's price of the edge (forward and backward collectives), whose
             # latency part does not shrink with the microbatch.
             for kind, k, _, t, _ in cost.edge_collectives(sub, v, slot, src, dst):

@@ -507,15 +507,11 @@ def test_mixed_precision_prices_the_master_weights_casts():
     whole = next(s for s in weight.strategies if all(p.is_replicate() for p in s.output))
     half = next(s for s in weight.strategies if s.output[0].is_shard())
     moved = 512 * 512 * (4 + 2) / (hw.memory_bandwidth * hw.memory_efficiency)
-    assert cost.master_cast_times(weight, whole.output) == pytest.approx(
+    assert cost.compute_times(weight, whole) == pytest.approx(
         (moved + hw.launch, moved / hw.widening_efficiency + hw.launch))
-    assert cost.master_cast_times(weight, half.output) == pytest.approx(
+    assert cost.compute_times(weight, half) == pytest.approx(
         (moved / 2 + hw.launch, moved / 2 / hw.widening_efficiency + hw.launch))
-    assert CostModel(mesh, graph=graph).master_cast_times(weight, whole.output) == (0.0, 0.0)
-    # what the parameter's compute adds to them: its gradient synchronization's copies
-    fwd, bwd = cost.compute_times(weight, whole)
-    assert (fwd, bwd - cost.sync_copy_seconds(weight, whole.output)) == pytest.approx(
-        cost.master_cast_times(weight, whole.output))
+    assert CostModel(mesh, graph=graph).compute_times(weight, whole) == (0.0, 0.0)
 
 
 def test_accumulation_prices_adding_each_microbatchs_gradient():
@@ -535,10 +531,9 @@ def test_accumulation_prices_adding_each_microbatchs_gradient():
     zero2 = next(s for s in weight.strategies if s.zero == 2)
     add = 3 * 512 * 512 * 4 / (hw.memory_bandwidth * hw.memory_efficiency)
 
-    def backward(m, strategy, precision="fp32"):  # less the synchronization's copies
-        cost = CostModel(mesh, graph=graph, precision=precision, accumulation=m)
-        return cost.compute_times(weight, strategy)[1] - \
-            cost.sync_copy_seconds(weight, strategy.output, strategy.zero)
+    def backward(m, strategy, precision="fp32"):
+        return CostModel(mesh, graph=graph, precision=precision,
+                         accumulation=m).compute_times(weight, strategy)[1]
     assert backward(1, whole) == 0.0
     assert backward(4, whole) == pytest.approx(3 / 4 * (add + hw.launch))
     assert backward(4, zero2) == pytest.approx(3 / 4 * (add / 2 + hw.launch))
@@ -582,49 +577,3 @@ def test_gradients_are_synchronized_in_the_master_dtype():
         fsdp = cost.edge_collectives(graph, use, slot, sharded.output, gathered)
         assert [(k, b, phase) for k, _, b, _, phase in fsdp] == \
             [("all_gather", compute * n, "forward"), ("reduce_scatter", 4 * n, "backward")]
-
-
-def test_collectives_copies_are_priced_on_the_critical_path():
-    """The copies the runtime makes around its collectives are memory-bound kernels on the
-    compute stream: FSDP packs a shard into the all-gather's buffer and copies the whole
-    parameter out of the gathered rows (forward), and copies the gradient into the
-    reduce-scatter's buffer, widened to float32 under bf16-mixed, and casts the reduced
-    shard back (backward); DDP packs each gradient into its bucket (once a step: 1/m of it
-    per microbatch priced). They are compute, not communication: the plan's compute holds
-    them and its step time adds up."""
-    model = MLP([512, 512, 512])
-    x, y = torch.randn(64, 512), torch.randint(0, 512, (64,))
-    graph = strategies.build(trace_example(model, (x, y), F.cross_entropy), (2,))
-    hw = dataclasses.replace(autopar.H100, launch=0.0)
-    mesh = autopar.MeshSpec((2,), hardware=hw)
-    weight, (use, slot) = _weight_and_consumer(graph)
-    whole = next(s for s in weight.strategies if all(p.is_replicate() for p in s.output))
-    sharded = next(s for s in weight.strategies if s.output[0].is_shard())
-    gathered = next(s.inputs[slot] for s in use.strategies
-                    if all(p.is_replicate() for p in s.inputs[slot]))
-    rate = hw.memory_bandwidth * hw.memory_efficiency
-    n = 512 * 512
-    cost = CostModel(mesh, graph=graph, precision="bf16-mixed")
-    moved = cost.edge_split(graph, use, slot, sharded.output, gathered)
-    assert moved.forward == pytest.approx((2 * 2 * n / 2 + 2 * 2 * n) / rate)
-    assert moved.backward == pytest.approx((2 + 4) * n / (rate * hw.widening_efficiency) +
-                                           (4 + 2) * n / 2 / rate)
-    assert moved.side_forward > 0 and moved.side_backward > 0  # the collectives themselves
-    assert cost.edge_time(graph, use, slot, sharded.output, gathered) == pytest.approx(
-        sum(moved))
-    fp32 = CostModel(mesh, graph=graph).edge_split(graph, use, slot, sharded.output, gathered)
-    assert fp32.backward == pytest.approx(2 * 4 * n / rate)  # no casts, one copy-in
-    assert cost.sync_copy_seconds(weight, whole.output) == pytest.approx(2 * 4 * n / rate)
-    four = cost.copy(accumulation=4)
-    assert four.sync_copy_seconds(weight, whole.output) == pytest.approx(2 * 4 * n / rate / 4)
-    assert CostModel(autopar.MeshSpec((1,), hardware=hw), graph=graph).sync_copy_seconds(
-        weight, whole.output) == 0.0  # nothing to synchronize on one device
-
-    # FSDP in float32 (no master casts): the plan's compute is its ops' and the copies
-    plan = autopar.plan(model, mesh, (x, y), loss_fn=F.cross_entropy, force={0: "fsdp"})
-    c, params = plan.cost, 2 * 512 * 512 + 2 * 512
-    assert [k.kind for k in plan.collectives] == ["all_gather", "reduce_scatter"] * 4
-    assert c.compute - sum(o.time for o in plan.ops) == pytest.approx(
-        (2 * 4 * params / 2 + 2 * 4 * params + 2 * 4 * params) / rate)
-    assert c.step_time == pytest.approx(c.compute + sum(c.communication.values()) -
-                                        sum(c.hidden.values()))

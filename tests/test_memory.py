@@ -162,7 +162,7 @@ def _weight_uses(plan) -> list[str]:
             if o.op.startswith("linear")]
 
 
-@pytest.mark.parametrize("batch,then", [(4096, "fsdp"), (1024, "tensor")])
+@pytest.mark.parametrize("batch,then", [(4096, "fsdp"), (512, "tensor")])
 def test_shrinking_budget_moves_from_ddp_to_sharded_plans(batch, then):
     """With room to spare the solver picks DDP (no communication but the gradient all-reduce);
     as the budget shrinks it shards optimizer state and parameters, paying more time for less
