@@ -434,7 +434,13 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
 
     def run() -> Solution:
         with silenced_stdout():
-            result = mip.solve(prog, backend, time_limit, gap, hint, options)
+            try:
+                result = mip.solve(prog, backend, time_limit, gap, hint, options)
+            except mip.SolverTrouble:
+                # Without presolve HiGHS ends some problems in an unknown state (the
+                # relaxation of a Llama-3 70B level over 512 x 2 H100s, gradients priced in
+                # float32); with it they solve
+                result = mip.solve(prog, backend, time_limit, gap, hint, "")
         elapsed = time.perf_counter() - start
         if result.status == mip.NO_SOLUTION:
             if relax:  # out of time: no bound known

@@ -73,6 +73,11 @@ class Program:
         return len(self.row_lower)
 
 
+class SolverTrouble(RuntimeError):
+    """The solver ended without a plan, an infeasibility proof or a limit reached (HiGHS's
+    model status "Unknown": numerical trouble)."""
+
+
 @dataclass
 class Result:
     """What the solver reported: its status (OPTIMAL, FEASIBLE: a plan, not proven best;
@@ -142,7 +147,7 @@ def _highs(program: Program, time_limit: float, gap: float, options: str) -> Res
     if not (has_plan and (status == kind.kOptimal or status in stopped)):
         if status in stopped:
             return Result(NO_SOLUTION)
-        raise RuntimeError(f"HiGHS stopped without a plan: {h.modelStatusToString(status)}")
+        raise SolverTrouble(f"HiGHS stopped without a plan: {h.modelStatusToString(status)}")
     values = np.asarray(h.getSolution().col_value)
     bound = info.mip_dual_bound if integer.any() else info.objective_function_value
     return Result(OPTIMAL if status == highspy.HighsModelStatus.kOptimal else FEASIBLE,

@@ -46,3 +46,34 @@ def test_a_solve_stopped_before_any_plan_has_no_solution():
     back to its greedy plan), not an error and not a plan."""
     result = mip.solve(_knapsack(9.0), "HIGHS", 0.0, 1e-9)
     assert result.status == mip.NO_SOLUTION and result.values is None
+
+
+def test_a_solve_in_numerical_trouble_is_solved_again_with_presolve(monkeypatch):
+    """HiGHS without presolve ended a Llama-3 70B level's relaxation in an unknown state
+    (SolverTrouble, raised as such); the ILP solves it again with presolve, for the plan or
+    the bound alike."""
+    import torch
+    import torch.nn.functional as F
+
+    import autopar
+    from autopar.passes import strategies
+    from autopar.passes.trace import trace_example
+    from autopar.solver.cost import CostModel
+    from autopar.solver.ilp import solve
+    from tests.models import MLP
+
+    calls = []
+    real = mip.solve
+
+    def troubled(program, backend, time_limit, gap, hint=None, options=""):
+        calls.append(options)
+        if "presolve = off" in options:
+            raise mip.SolverTrouble("HiGHS stopped without a plan: Unknown")
+        return real(program, backend, time_limit, gap, hint, options)
+
+    monkeypatch.setattr(mip, "solve", troubled)
+    model = MLP([16, 32, 8])
+    x, y = torch.randn(8, 16), torch.randint(0, 8, (8,))
+    graph = strategies.build(trace_example(model, (x, y), F.cross_entropy), (2,))
+    sol = solve(graph, CostModel(autopar.MeshSpec((2,), hardware="cpu"), graph=graph))
+    assert calls == ["presolve = off", ""] and sol.choice
