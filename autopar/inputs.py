@@ -141,7 +141,11 @@ def batch_of(call: Call) -> int | None:
 
 
 def microbatch(call: Call, m: int, i: int = 0) -> Call:
-    """The `i`-th of `m` equal microbatches of the call (dimension 0 of every tensor)."""
+    """The `i`-th of `m` equal microbatches of the call (dimension 0 of every tensor); the
+    call itself for one (a call with a 0-dimensional input has no batch to split)."""
+    if m == 1:
+        return call
+
     def part(t: torch.Tensor) -> torch.Tensor:
         size = t.shape[0] // m
         return t.narrow(0, i * size, size)

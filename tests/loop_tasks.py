@@ -388,3 +388,30 @@ def submodule_modes(mesh_shape, force=None) -> None:
     loss = pm.step(x, y)
     torch.manual_seed(9)
     torch.testing.assert_close(loss, F.cross_entropy(ref(x), y).detach(), rtol=RTOL, atol=ATOL)
+
+
+class _Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(16, 8)
+
+    def forward(self, x, temperature):
+        return self.net(x) / temperature
+
+
+def scalar_input(mesh_shape, force=None) -> None:
+    """A 0-dimensional tensor input (a temperature) beside the batch: it is not split, and
+    training and inference give the single-device numbers."""
+    torch.manual_seed(0)
+    model = _Tempered().double()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 8, (8,))
+    t = torch.tensor(2.0, dtype=torch.float64)
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=F.cross_entropy, force=force)
+    loss = pm.step(x, t, y)
+    ref_loss = F.cross_entropy(ref(x, t), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    check_equal("gradient", pm.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x, t), ref(x, t), rtol=RTOL, atol=ATOL)

@@ -44,6 +44,11 @@ def test_submodules_keep_their_own_modes(world2, force):
     world2.run(loop_tasks.submodule_modes, (2,), force)
 
 
+@pytest.mark.parametrize("force", [None, "tensor"])
+def test_a_scalar_input_beside_the_batch(world2, force):
+    world2.run(loop_tasks.scalar_input, (2,), force)
+
+
 @pytest.mark.parametrize("force", ["tensor", "fsdp"])
 def test_parameter_groups_by_name(world2, force):
     names = world2.run(loop_tasks.param_groups_by_name, "gpt", (2,), force)[0]
