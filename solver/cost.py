@@ -566,10 +566,9 @@ class CostModel:
         The gradient is synchronized in the dtype of the parameter's leaf (`leaf_dtype`: the
         float32 master under mixed precision, FSDP2's reduce_dtype), and ZeRO's stepped
         shards are gathered in it. Gradients are synchronized in buckets of `bucket_bytes`,
-        so a parameter pays the
-        bandwidth term in full and its share of one bucket's latency: bytes / bucket_bytes of
-        it, or (a model smaller than one bucket: one collective for all) its share of all
-        parameters, when the cost model knows the graph."""
+        so a parameter pays the bandwidth term in full and its share of one bucket's latency:
+        bytes / bucket_bytes of it, or (a model smaller than one bucket: one collective for
+        all) its share of all parameters, when the cost model knows the graph."""
         if not node.requires_grad:  # frozen: no gradient to synchronize
             return []
         nbytes = numel(local_shape(node.out_shapes[0], storage, self.shape)) * \
