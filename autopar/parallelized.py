@@ -237,14 +237,15 @@ class Parallelized(nn.Module):
             error = (f"the inputs ({call.describe()}) differ from those the plan was made for "
                      "(on_new_shape='raise'); pass inputs of the planned shapes, or "
                      "parallelize with on_new_shape='replan' to plan for each new shape")
-        rows = self._agree_inputs(call, error, "step()" if step else "the forward call")
+        rows = self._agree_inputs(call, error, "step()" if step else "the forward call", key)
         if built is None:
-            built = self._build(call, step)
+            built = self._build(call, step, key)
         self._check_random_states(built.random_ops, rows)
         self._last_plan = built.plan
         return built
 
-    def _agree_inputs(self, call: Call, error: str | None, what: str) -> list[list[int]]:
+    def _agree_inputs(self, call: Call, error: str | None, what: str,
+                      key: tuple | None = None) -> list[list[int]]:
         """Every rank learns whether every rank's inputs passed its checks (`error`: this
         rank's failure), and that all passed the same shapes and dtypes and, for global inputs,
         the same values (per-rank inputs: the same within the ranks that share a slice).
@@ -253,7 +254,7 @@ class Parallelized(nn.Module):
         target = call.target
         rows = self._control.exchange(
             f"checking the inputs of {what}", error,
-            [signature(self._model_key(call), None if target is None else
+            [signature(key or self._model_key(call), None if target is None else
                        (tuple(target.shape), str(target.dtype))),
              signature(*(content_hash(t) for t in call.tensors)) if error is None else 0,
              _rng_signature(self._device)])
@@ -284,9 +285,13 @@ class Parallelized(nn.Module):
     def _model_key(self, call: Call) -> tuple:
         return call.key(self._modes())
 
-    def _modes(self) -> tuple[bool, ...]:
-        """The train / eval flag of every module of the model, in order."""
-        return tuple(m.training for m in self.modules())
+    def _modes(self) -> tuple:
+        """The modules' train / eval flags: the model's, and the names of the modules in the
+        other mode (usually none)."""
+        if all(m.training == self.training for m in self.modules()):
+            return (self.training, ())
+        return (self.training, tuple(name for name, m in self.named_modules()
+                                     if m.training != self.training))
 
     def _find(self, key, call: Call, step: bool) -> _Built | None:
         target = None if call.target is None else (tuple(call.target.shape), call.target.dtype)
@@ -297,7 +302,7 @@ class Parallelized(nn.Module):
                 return built
         return None
 
-    def _build(self, call: Call, step: bool) -> _Built:
+    def _build(self, call: Call, step: bool, key: tuple) -> _Built:
         """Trace, plan, rewrite and (at the first build) place the parameters: a collective
         every rank enters together (their inputs agreed)."""
         traces: dict[int, TracedProgram] = {}
@@ -350,12 +355,12 @@ class Parallelized(nn.Module):
             target = (tuple(call.target.shape), call.target.dtype)
         built = _Built(runner, target, program.random_ops,
                        of_program(program, bool(self._options.per_rank_inputs)))
-        self._runners.setdefault(self._model_key(call), []).append(built)
+        self._runners.setdefault(key, []).append(built)
         return built
 
     def _trace(self, call: Call, with_loss: bool) -> TracedProgram:
         model = self._meta.obj
-        modes = dict(zip((name for name, _ in self.named_modules()), self._modes()))
+        modes = {name: m.training for name, m in self.named_modules()}
         for name, m in model.named_modules():  # each module in its own mode (see __init__)
             m.training = modes.get(name, self.training)
         traced_call = on_meta(call)

@@ -110,7 +110,7 @@ def loss_weights(gm: fx.GraphModule, inputs: list[str], loss: fx.Node | None,
         if _arg(node, 2, "weight", None) is not None:
             return LossWeights("targets", coupled=coupled, refused=(
                 f"{target} weights its classes: its mean divides by the weights of each "
-                f"microbatch's targets{_where(node)}"))
+                f"microbatch's targets{_where(node, prefix)}"))
         counter, why = _target_counter(gm, inputs, node.args[1], _arg(node, ignore_at,
                                                                       "ignore_index", -100))
         return LossWeights("targets", counter, coupled, why)
@@ -118,10 +118,11 @@ def loss_weights(gm: fx.GraphModule, inputs: list[str], loss: fx.Node | None,
         reduction = _arg(node, _ELEMENT_LOSSES[target], "reduction", 1)
         kind = {1: "mean", 2: "sum"}.get(reduction, "")
         return LossWeights(kind, coupled=coupled)
-    if target in (aten.sum.default, aten.mean.default) or \
-            target in (aten.sum.dim_IntList, aten.mean.dim) and \
-            not _arg(node, 1, "dim", None):
-        return LossWeights("sum" if "sum" in str(target) else "mean", coupled=coupled)
+    over_all = not _arg(node, 1, "dim", None)  # (sum / mean over every dimension)
+    if target is aten.sum.default or target is aten.sum.dim_IntList and over_all:
+        return LossWeights("sum", coupled=coupled)
+    if target is aten.mean.default or target is aten.mean.dim and over_all:
+        return LossWeights("mean", coupled=coupled)
     return LossWeights(coupled=coupled)
 
 

@@ -72,24 +72,23 @@ class ParallelModule:
                 args.append(given[name])
         return args
 
-    def step(self, microbatches: list[list[torch.Tensor]],
-             weights: list[float] | None = None) -> torch.Tensor:
+    def step(self, microbatches: list[list[torch.Tensor]], weights: list[float]
+             ) -> torch.Tensor:
         """Forward and backward of each microbatch (gradient accumulation when there are
         several: the gradients add up locally and are synchronized once, overlapped with the
         last microbatch's backward); returns the loss (the same on every rank): the sum of
         the microbatches' losses, each times its weight (`weights`, passes/loss_weights.py:
-        the whole batch's loss; 1/m each when not given). Gradients of the local shards are
-        complete when this returns."""
+        the whole batch's loss). Gradients of the local shards are complete when this
+        returns."""
         self._store.refresh()  # ZeRO shards stepped since the last program ran
         self._store.pull_grads()
         m = len(microbatches)
-        weights = weights or [1.0 / m] * m
         total = None
         for i, tensors in enumerate(microbatches):
             # FSDP parameters the plan reshards after forward are gathered again in backward
             with resharding(self._comm) if self.plan.resharded else contextlib.nullcontext():
                 (loss,) = self._programs.train(*self._feed(self._train_inputs, tensors))
-            part = loss.detach() * weights[i] if m > 1 else loss.detach()
+            part = loss.detach() * weights[i]  # (exact for one microbatch: times 1.0)
             total = part if total is None else total + part
             last = i == m - 1
             # the loss value is summed for reporting while the last backward runs (in a
@@ -100,8 +99,7 @@ class ParallelModule:
                 self._grad_sync.begin(report, hold=not last)
             elif last:
                 self._grad_sync.release(report)
-            seed = self._loss.seed * weights[i] if m > 1 else self._loss.seed
-            loss.backward(torch.full_like(loss, seed))
+            loss.backward(torch.full_like(loss, self._loss.seed * weights[i]))
             if not last:
                 self._grad_sync.microbatch_done()
         self._grad_sync.finish()

@@ -77,6 +77,7 @@ class Prices(Protocol):
     activation_factor: float  # microbatches in flight (pipeline stages)
 
     def dtype(self, dtype: torch.dtype) -> torch.dtype: ...
+    def leaf_dtype(self, node: SNode) -> torch.dtype: ...
     def nbytes(self, shape, dtype: torch.dtype) -> int: ...
     def local_shapes(self, node: SNode, strategy: Strategy) -> tuple[list, list]: ...
     def param_memory_split(self, node: SNode, storage, zero: int = 0) -> dict[str, float]: ...
@@ -439,20 +440,12 @@ def parameter_bytes(cost: Prices, node: SNode, storage, zero: int = 0) -> dict[s
     # ZeRO-1 accumulates the whole gradient over a step's microbatches; with one it frees each
     # bucket's once reduce-scattered, as ZeRO-2 does
     grad = shard if zero >= 2 or (zero == 1 and cost.accumulation == 1) else local
-    dtype = node.out_dtypes[0]
-    compute = cost.dtype(dtype)
     if not node.requires_grad:  # frozen (fine-tuning): stored, never stepped
-        return {"parameters": float(local * compute.itemsize), "gradients": 0.0,
-                "optimizer": 0.0}
-    master = cost.precision.master if dtype.is_floating_point else None
-    opt = cost.optimizer
-    if master is None:
-        size = compute.itemsize
-        return {"parameters": float(local * size), "gradients": float(grad * size),
-                "optimizer": float(shard * size * opt.states + opt.scalar_bytes)}
-    return {"parameters": float(local * master.itemsize),
-            "gradients": float(grad * master.itemsize),
-            "optimizer": float(shard * master.itemsize * opt.states + opt.scalar_bytes)}
+        return {"parameters": float(local * cost.dtype(node.out_dtypes[0]).itemsize),
+                "gradients": 0.0, "optimizer": 0.0}
+    size, opt = cost.leaf_dtype(node).itemsize, cost.optimizer  # the master, if any
+    return {"parameters": float(local * size), "gradients": float(grad * size),
+            "optimizer": float(shard * size * opt.states + opt.scalar_bytes)}
 
 
 def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy],
