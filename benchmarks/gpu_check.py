@@ -27,10 +27,11 @@ others still run.
    parameters, the loss on float32 logits) against the plan's predicted compute, priced on
    the roofline and on the measured op times: what a whole step adds to the sum of its ops.
 8. `nccl`: autopar on a world of one GPU over NCCL: a small Llama in fp32 (TF32 off) and in
-   bf16-mixed against the same model on one device (loss and gradients), then the 8B-wide
-   two-layer model built on the meta device, materialized by `autopar.parallelize` on the GPU
-   and trained (forward + backward + AdamW) in bf16-mixed: measured step and peak memory
-   against the plan's prediction and against plain PyTorch.
+   bf16-mixed against the same model on one device (loss and gradients), gradient
+   accumulation over two microbatches with unevenly padded targets (fp32) against the whole
+   batch, then the 8B-wide two-layer model built on the meta device, materialized by
+   `autopar.parallelize` on the GPU and trained (forward + backward + AdamW) in bf16-mixed:
+   measured step and peak memory against the plan's prediction and against plain PyTorch.
 9. `recompute`: the 8B-wide model with four layers trained by autopar under each
    recomputation mode: step and peak memory against the plan's.
 10. `layers` (not in the default list): torchtitan's 8B per-GPU step on one GPU,
@@ -384,6 +385,16 @@ def eager_step(model, ids):
     return step
 
 
+def autopar_step(pmodel, ids):
+    """autopar's forward + backward on `ids` as a training loop runs it: the gradients of the
+    step before are dropped first (zero_grad(set_to_none=True)), so that no step adds into
+    them (an addition a real loop never runs, which timing bare steps back to back would)."""
+    def step():
+        pmodel.zero_grad(set_to_none=True)
+        pmodel.step(ids, ids)
+    return step
+
+
 def steps_part(device, hw, small: bool, profiler: OpProfiler) -> list[dict]:
     """Eager forward + backward of the model with 2 and 4 layers against the plans'."""
     rows = []
@@ -439,6 +450,28 @@ def init_world(device) -> None:
         dist.init_process_group("gloo", rank=0, world_size=1)
 
 
+def accumulation_check(device, mesh, hw) -> dict:
+    """Gradient accumulation on the GPU: two microbatches whose targets are padded unevenly
+    (ignore_index), against the whole batch on one device: the loss weights read from the
+    program must make the sum of the microbatches the big batch's mean."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Llama3(Llama3Config(n_layers=2, **SMALL))
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, SMALL["vocab_size"], (4, 128), device=device)
+    targets = ids.clone()
+    targets[:2, 16:] = -100  # the first microbatch counts far fewer targets than the second
+    pmodel = autopar.parallelize(model, mesh, loss_fn=lm_loss, microbatches=2,
+                                 example_inputs=(ids, targets), progress=False, hardware=hw)
+    loss = pmodel.step(ids, targets).item()
+    grads = pmodel.full_grads()
+    ref_loss = lm_loss(ref(ids), targets)
+    ref_loss.backward()
+    worst = max((grads[n] - p.grad).abs().max().item() / max(p.grad.abs().max().item(), 1e-12)
+                for n, p in ref.named_parameters())
+    return {"loss": loss, "reference_loss": ref_loss.item(), "max_relative_grad_error": worst}
+
+
 def nccl_part(device, hw, small: bool) -> dict:
     """autopar on a world of one: exactness against one device, then a step's time and peak
     memory against the plan's and plain PyTorch's."""
@@ -469,6 +502,7 @@ def nccl_part(device, hw, small: bool) -> dict:
             out[precision] = {"loss": loss, "reference_loss": ref_loss.item(),
                               "max_relative_grad_error": worst}
             del pmodel, model, ref, run
+        out["fp32, 2 microbatches, padded targets"] = accumulation_check(device, mesh, hw)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     print("\n## autopar on a world of one (NCCL on GPUs), against one device\n\n"
@@ -493,7 +527,7 @@ def nccl_part(device, hw, small: bool) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step = timed(lambda pmodel=pmodel: pmodel.step(ids, ids), device, 2, 5)
+    step = timed(autopar_step(pmodel, ids), device, 2, 5)
     whole = timed(train, device, 2, 5)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     plan = pmodel.plan
@@ -540,7 +574,7 @@ def recompute_part(device, hw, small: bool) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        step = timed(lambda pmodel=pmodel: pmodel.step(ids, ids), device, 1, 5)
+        step = timed(autopar_step(pmodel, ids), device, 1, 5)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         cost = pmodel.plan.cost
         rows.append({"recompute": mode, "step_s": step, "predicted_s": cost.step_time,
@@ -585,8 +619,7 @@ def layers_part(device, hw, small: bool) -> list[dict]:
         for name, backend in (("default", None), ("flash", SDPBackend.FLASH_ATTENTION)):
             ctx = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
             with ctx:
-                row[f"{name}_s"] = timed(lambda pmodel=pmodel: pmodel.step(ids, ids), device,
-                                         1, 5)
+                row[f"{name}_s"] = timed(autopar_step(pmodel, ids), device, 1, 5)
         if device.type == "cuda":  # whether the caching allocator had to free and retry
             stats = torch.cuda.memory_stats(device)
             row.update(peak_GiB=stats["allocated_bytes.all.peak"] / 2**30,
@@ -840,7 +873,7 @@ def timeline_part(device, hw, small: bool) -> dict:
         pmodel = autopar.parallelize(llama(layers, small), mesh, loss_fn=lm_loss,
                                      precision="bf16-mixed", recompute="selective",
                                      example_inputs=(ids, ids), progress=False, hardware=hw)
-        out[name] = _kernel_table(lambda pmodel=pmodel: pmodel.step(ids, ids), device)
+        out[name] = _kernel_table(autopar_step(pmodel, ids), device)
         out[name]["predicted_s"] = pmodel.plan.cost.step_time
         pmodel = None
         if device.type == "cuda":
