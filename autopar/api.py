@@ -43,6 +43,10 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=Non
     too: it plans every candidate shape (autopar.search) and returns the fastest plan, whose
     `mesh_search` ranks all it tried.
     """
+    if not isinstance(mesh, (MeshSpec, Cluster)) and not hasattr(mesh, "device_type"):
+        raise TypeError(f"mesh is a {type(mesh).__name__}; pass an autopar.MeshSpec (e.g. "
+                        "autopar.MeshSpec((2, 4), ('dp', 'tp'), hardware='h100')), a torch "
+                        "DeviceMesh, or an autopar.Cluster for the planner to choose the mesh")
     options = PlanOptions.of(options, **option_fields)
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
         else (example_inputs,)

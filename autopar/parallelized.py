@@ -51,6 +51,7 @@ from autopar.runtime.zero import ZeroSync
 from autopar.solver.specs import compute_dtype
 from autopar.solver.stages import StageError
 
+from .guards import ValueGuards, changed
 from .inputs import (
     Call,
     batch_of,
@@ -138,6 +139,8 @@ class Parallelized(nn.Module):
                 if last not in owner._modules:
                     owner.add_module(last, nn.Module())
                 owner._modules[last].training = m.training
+        # ... and its plain attributes, which the traces read (autopar/guards.py)
+        self._guards = ValueGuards(model, self, loss_fn)
         self._control = Control()
         self._device = _device_of(mesh)
         self._runners: dict[tuple, list[_Built]] = {}
@@ -227,8 +230,11 @@ class Parallelized(nn.Module):
     def _program_for(self, call: Call, step: bool) -> _Built:
         key = self._model_key(call)
         built = self._find(key, call, step)
+        moved = self._guards.refresh()
         error = check_device(call, self._device) or (check_no_input_grads(call) if step
                                                      else None) or self._module_hooks()
+        if error is None and built is None:
+            error = self._guards.check(key[0][1])
         if step and not torch.is_grad_enabled():
             error = ("step() runs the backward pass: call it outside torch.no_grad() / "
                      "torch.inference_mode() (use the forward call for inference)")
@@ -237,7 +243,8 @@ class Parallelized(nn.Module):
             error = (f"the inputs ({call.describe()}) differ from those the plan was made for "
                      "(on_new_shape='raise'); pass inputs of the planned shapes, or "
                      "parallelize with on_new_shape='replan' to plan for each new shape")
-        rows = self._agree_inputs(call, error, "step()" if step else "the forward call", key)
+        rows = self._agree_inputs(call, error, "step()" if step else "the forward call", key,
+                                  moved)
         if built is None:
             built = self._build(call, step, key)
         self._check_random_states(built.random_ops, rows)
@@ -245,10 +252,11 @@ class Parallelized(nn.Module):
         return built
 
     def _agree_inputs(self, call: Call, error: str | None, what: str,
-                      key: tuple | None = None) -> list[list[int]]:
+                      key: tuple | None = None, moved: list | None = None) -> list[list[int]]:
         """Every rank learns whether every rank's inputs passed its checks (`error`: this
         rank's failure), and that all passed the same shapes and dtypes and, for global inputs,
-        the same values (per-rank inputs: the same within the ranks that share a slice).
+        the same values (per-rank inputs: the same within the ranks that share a slice), and
+        the same values of captured tensors changed in place (`moved`).
         Returns the agreed rows (shapes, values, random state) of every rank."""
         per_rank = bool(self._options.per_rank_inputs)
         target = call.target
@@ -256,7 +264,8 @@ class Parallelized(nn.Module):
             f"checking the inputs of {what}", error,
             [signature(key or self._model_key(call), None if target is None else
                        (tuple(target.shape), str(target.dtype))),
-             signature(*(content_hash(t) for t in call.tensors)) if error is None else 0,
+             signature(*(content_hash(t) for t in [*call.tensors, *(moved or ())]))
+             if error is None else 0,
              _rng_signature(self._device)])
         self._control.check_same(
             f"ranks passed inputs of different shapes or dtypes to {what}", rows, 0,
@@ -268,7 +277,9 @@ class Parallelized(nn.Module):
                 "the same tensors" if per_rank else
                 "inputs are global (every rank passes the whole batch, as in single-device "
                 "code); to pass each rank its own slice, parallelize with per_rank_inputs="
-                "(names of the data-parallel mesh dimensions)"),
+                "(names of the data-parallel mesh dimensions)") + (
+                "; or a tensor the loss function captures was changed in place to different "
+                "values" if moved else ""),
             rows, 1, "", group_of=self._same_slice if per_rank else None)
         return rows
 
@@ -283,7 +294,7 @@ class Parallelized(nn.Module):
                 "shuffling) on a torch.Generator of its own", rows, 2)
 
     def _model_key(self, call: Call) -> tuple:
-        return call.key(self._modes())
+        return call.key((self._modes(), self._guards.fingerprint(self)))
 
     def _modes(self) -> tuple:
         """The modules' train / eval flags: the model's, and the names of the modules in the
@@ -355,6 +366,8 @@ class Parallelized(nn.Module):
             target = (tuple(call.target.shape), call.target.dtype)
         built = _Built(runner, target, program.random_ops,
                        of_program(program, bool(self._options.per_rank_inputs)))
+        key = self._model_key(call)  # with the values this trace found it reads
+        self._guards.remember(key[0][1])
         self._runners.setdefault(key, []).append(built)
         return built
 
@@ -368,10 +381,12 @@ class Parallelized(nn.Module):
             traced_call = global_call(call, pieces_of(self._spec.shape, self._spec.names,
                                                       self._options.per_rank_inputs))
         use_loss_fn = bool(with_loss) and self._loss_fn is not None
-        return trace(model, traced_call.args, self._loss_fn if use_loss_fn else None,
-                     traced_call.target, kwargs=dict(traced_call.kwargs),
-                     output_loss=with_loss if self._loss_fn is None else False,
-                     device=self._device, compute_dtype=self._compute_dtype)
+        self._guards.sync(self, model)
+        with self._guards.reading(model):
+            return trace(model, traced_call.args, self._loss_fn if use_loss_fn else None,
+                         traced_call.target, kwargs=dict(traced_call.kwargs),
+                         output_loss=with_loss if self._loss_fn is None else False,
+                         device=self._device, compute_dtype=self._compute_dtype)
 
     def _plan_for(self, trace_at, batch: int | None, accumulate: bool) -> Plan:
         """The plan for the model traced by `trace_at(microbatches)` (on `batch`): the given
@@ -495,8 +510,10 @@ class Parallelized(nn.Module):
                 lifted[ph] = program.constants[key].to(self._device)
             else:
                 out[ph] = self._buffers_whole[key]
-        out.update(broadcast_from_rank0(lifted, lambda n, t: t.clone(),
-                                        self._broadcast_group()))
+        copies = broadcast_from_rank0(lifted, lambda n, t: t.clone(), self._broadcast_group())
+        for ph, copy in copies.items():  # copied again when the user's tensor changes in place
+            self._guards.follow(program.constants[program.buffers[ph]], copy)
+        out.update(copies)
         return out
 
     def _slice_groups(self, mesh):
@@ -529,7 +546,18 @@ class Parallelized(nn.Module):
             error = check_no_input_grads(call) or self._module_hooks()
         if error is None and self._pipeline is not None:
             error = self._pipeline.check(call.args)
-        rows = self._agree_inputs(call, error, "step()" if step else "the forward call")
+        moved = self._guards.refresh()
+        if error is None and self._pipeline is not None:
+            now = self._guards.fingerprint(self)
+            lines = changed(self._pipeline.values, now)
+            if lines:
+                error = ("values the pipelined program was traced with changed (" +
+                         "; ".join(lines[:4]) + "); a pipelined model is traced once: set "
+                         "them before its first step, or hold a value that changes in a "
+                         "tensor (a buffer of the model, or a tensor the loss function "
+                         "captures, changed in place)")
+        rows = self._agree_inputs(call, error, "step()" if step else "the forward call",
+                                  moved=moved)
         if self._pipeline is None:
             self._build_pipeline(args)
         self._check_random_states(self._pipeline.random_ops, rows)
@@ -548,11 +576,19 @@ class Parallelized(nn.Module):
     def _build_pipeline(self, example_inputs) -> PipelineModule:
         """As `_build`, for a mesh with a "pp" dimension: each rank keeps its stages' programs,
         cut from its local program, and runs them under the plan's pipeline schedule."""
-        spec, mesh = self._spec, self._mesh_holder.obj
         if self._loss_fn is None:
             raise agreed(ValueError("a pipelined model trains through step(): pass loss_fn= to "
                                     "parallelize (pipelined inference alone is not supported)"))
         example_inputs = tuple(example_inputs)
+        self._guards.sync(self, self._meta.obj)
+        with self._guards.reading(self._meta.obj):
+            pipeline = self._build_pipeline_traced(example_inputs)
+        pipeline.values = self._guards.fingerprint(self)  # with what the trace found it reads
+        return pipeline
+
+    def _build_pipeline_traced(self, example_inputs: tuple) -> PipelineModule:
+        """`_build_pipeline`, its model's values synced and its reads watched."""
+        spec, mesh = self._spec, self._mesh_holder.obj
         tracer = pipeline_tracer(self._meta.obj, example_inputs, self._loss_fn, self._device,
                                  self._compute_dtype)
         if self._given_plan is None:

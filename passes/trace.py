@@ -427,7 +427,11 @@ def _unfold(gm: fx.GraphModule, stack, ep, params: dict, buffers: dict, canonica
 
 def meta_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` whose parameters and buffers live on the meta device (no storage
-    copied; tied parameters stay tied)."""
+    copied; tied parameters stay tied). Raises TraceError for a module holding a tensor
+    computed from its parameters as a plain attribute (`computed_attribute`)."""
+    why = computed_attribute(model)
+    if why:
+        raise TraceError(why)
     memo: dict[int, torch.Tensor] = {}
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) in memo:
@@ -436,6 +440,28 @@ def meta_copy(model: nn.Module) -> nn.Module:
         memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) \
             if isinstance(t, nn.Parameter) else m
     return copy.deepcopy(model, memo)
+
+
+def computed_attribute(model: nn.Module) -> str | None:
+    """Why `model` cannot be copied and traced, or None: a module keeps, as a plain attribute,
+    a tensor autograd computed from its parameters (the deprecated torch.nn.utils.weight_norm
+    recomputes its `weight` that way in a forward pre-hook). Such a tensor is neither a
+    parameter nor a buffer: it cannot be copied, and a trace would freeze it."""
+    for name, m in model.named_modules():
+        for attr, value in vars(m).items():
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                where = f"module {name or type(m).__name__} ({type(m).__name__})"
+                if any(type(h).__name__ == "WeightNorm" for h in m._forward_pre_hooks.values()):
+                    return (f"{where} uses torch.nn.utils.weight_norm, which is deprecated and "
+                            f"keeps `{attr}` as a tensor computed by a hook; use "
+                            "torch.nn.utils.parametrizations.weight_norm instead (autopar "
+                            "traces and shards it): torch.nn.utils.remove_weight_norm(module) "
+                            "then torch.nn.utils.parametrizations.weight_norm(module)")
+                return (f"{where} keeps `{attr}`, a tensor computed from its parameters, as a "
+                        "plain attribute: autopar copies the model to trace it and cannot copy "
+                        "it, and a trace would freeze it. Compute it in forward, or register "
+                        "it as a parametrization (torch.nn.utils.parametrize)")
+    return None
 
 
 def fake_copy(model: nn.Module, mode, device: torch.device,
@@ -722,8 +748,9 @@ def _detached(gm: fx.GraphModule, value: fx.Node) -> fx.Node:
 
 def _inline_grad_mode_wrappers(gm: fx.GraphModule) -> None:
     """Inline `wrap_with_set_grad_enabled` and disabled `wrap_with_autocast` regions (a
-    `torch.no_grad()` block, HF rotary embeddings). The outputs of a region run without grad
-    are detached, so no gradient flows back through it, as on one device. An enabled autocast
+    `torch.no_grad()` block, HF rotary embeddings). The inputs and outputs of a region run
+    without grad are detached, so nothing inside records a gradient and none flows back
+    through it, as on one device. An enabled autocast
     region is a TraceError: inlined, its ops would run without its casts.
     """
     for node in list(gm.graph.nodes):
@@ -745,10 +772,12 @@ def _inline_grad_mode_wrappers(gm: fx.GraphModule) -> None:
         sub = getattr(gm, sub_attr.target)
         env: dict[fx.Node, Any] = {}
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        for ph, arg in zip(placeholders, sub_args):
-            env[ph] = arg
         result = None
         with gm.graph.inserting_before(node):
+            for ph, arg in zip(placeholders, sub_args):
+                # under no_grad nothing inside records a gradient: its inputs enter detached
+                # (an op writing into an `out=` tensor refuses inputs that require grad)
+                env[ph] = _detached(gm, arg) if no_grad and isinstance(arg, fx.Node) else arg
             for sn in sub.graph.nodes:
                 if sn.op == "placeholder":
                     continue

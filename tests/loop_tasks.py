@@ -415,3 +415,92 @@ def scalar_input(mesh_shape, force=None) -> None:
     check_equal("gradient", pm.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
     with torch.no_grad():
         torch.testing.assert_close(pm(x, t), ref(x, t), rtol=RTOL, atol=ATOL)
+
+
+AUX_WEIGHT = 1.0  # a global the loss function of `traced_values` reads
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 32)
+        self.drop = torch.nn.Dropout(0.25)
+        self.out = torch.nn.Linear(32, 8)
+        self.scale = 1.0   # read by forward
+        self.calls = 0     # a counter forward never reads
+
+    def forward(self, x):
+        return self.out(self.drop(torch.relu(self.inp(x))) * self.scale)
+
+
+def traced_values(mesh_shape, force=None) -> None:
+    """Python values the trace read, changed between steps, change the next step as on one
+    device: a module attribute and a Dropout's p set through the parallelized model, a global
+    coefficient, a loss module's label smoothing and a class-weight tensor the loss captures
+    (changed in place). A counter forward never reads changes nothing; a value changed at
+    every step is refused after a few, saying what to do instead."""
+    global AUX_WEIGHT
+    torch.manual_seed(0)
+    model = _Scaled().double()
+    ref = copy.deepcopy(model)
+    weight = torch.ones(8, dtype=torch.float64)
+    crit = torch.nn.CrossEntropyLoss(weight=weight)
+
+    def loss_fn(out, y):
+        return crit(out, y) * AUX_WEIGHT
+
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 8, (8,))
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn, force=force,
+                             example_inputs=(x, y))
+
+    def same(step: int) -> None:
+        torch.manual_seed(step)
+        loss = pm.step(x, y)
+        ref.zero_grad()
+        torch.manual_seed(step)
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        check_equal("gradient", pm.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+        pm.zero_grad()
+
+    same(0)
+    for step, change in enumerate([
+            lambda m: setattr(m, "scale", 2.0),
+            lambda m: setattr(m.drop, "p", 0.5),
+            lambda m: None if m is ref else globals().__setitem__("AUX_WEIGHT", 0.5),
+            lambda m: None if m is ref else setattr(crit, "label_smoothing", 0.1),
+            lambda m: None if m is ref else weight.copy_(torch.arange(1.0, 9.0))], 1):
+        change(pm)
+        change(ref)
+        same(step)
+    for step in range(6, 6 + 10):  # more changes than programs are traced for
+        pm.calls += 1
+        same(step)
+    try:
+        for scale in range(3, 3 + 10):
+            pm.scale = ref.scale = float(scale)
+            same(100 + scale)
+    except autopar.RankError as e:
+        assert "changed 8 times" in str(e) and "model.scale" in str(e), e
+        assert "register_buffer" in str(e), e
+    else:
+        raise AssertionError("a value changed at every step was traced again every step")
+    finally:
+        AUX_WEIGHT = 1.0
+
+
+def parametrized_weights(mesh_shape, force=None) -> None:
+    """Weights under torch.nn.utils.parametrizations train as on one device: spectral_norm
+    (whose power iteration updates its buffers under no_grad with `out=` ops) and
+    weight_norm: losses, gradients, parameters, the power iteration's buffers and inference."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 8)).double()
+    torch.nn.utils.parametrizations.spectral_norm(model[0])
+    torch.nn.utils.parametrizations.weight_norm(model[2])
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 8, (8,))
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=F.cross_entropy, force=force,
+                             example_inputs=(x, y))
+    check_training(pm, ref, F.cross_entropy, x, y, 3)

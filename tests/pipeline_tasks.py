@@ -62,6 +62,12 @@ def expect_error(kind: str) -> str:
             pm = autopar.parallelize(model, mesh_for((size,), ("pp",)), loss_fn=loss_fn,
                                      example_inputs=(x, y), microbatches=2)
             pm.step(x[:2], y[:2])
+        elif kind == "value_changed":  # a value forward reads, changed after the first step
+            pm = autopar.parallelize(model, mesh_for((size,), ("pp",)), loss_fn=loss_fn,
+                                     example_inputs=(x, y), microbatches=2)
+            pm.step(x, y)
+            pm.wte.scale_grad_by_freq = True
+            pm.step(x, y)
         else:
             raise ValueError(kind)
     except Exception as e:  # noqa: BLE001 - the test inspects the message

@@ -299,3 +299,24 @@ def test_forward_that_sets_a_cache_attribute():
     with pytest.raises(TraceError, match=r"model\.net\.1\.last_input was set to a tensor"):
         autopar.plan(model, autopar.MeshSpec((2,), hardware="cpu"), example,
                      loss_fn=F.cross_entropy)
+
+
+def test_mesh_given_as_a_shape_tuple():
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match=r"mesh is a tuple; pass an autopar.MeshSpec"):
+        autopar.plan(MLP([8, 16, 4]), (2,), (x,))
+
+
+def test_legacy_weight_norm_names_the_module_and_the_replacement():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation warning
+        torch.nn.utils.weight_norm(model[0])
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    with pytest.raises(TraceError, match=r"module 0 \(Linear\) uses torch.nn.utils.weight_norm"
+                                         r".*parametrizations.weight_norm"):
+        autopar.plan(model, autopar.MeshSpec((2,)), (x, y), loss_fn=F.cross_entropy)
+    torch.nn.utils.remove_weight_norm(model[0])
+    torch.nn.utils.parametrizations.weight_norm(model[0])  # what the message says to do
+    plan = autopar.plan(model, autopar.MeshSpec((2,)), (x, y), loss_fn=F.cross_entropy)
+    assert "0.parametrizations.weight.original0" in plan.parameters

@@ -556,3 +556,6 @@ def test_pipelined_errors_reach_every_rank(world2):
     assert all("does not split into 3 microbatches" in m for m in msgs), msgs
     msgs = world2.run(pipeline_tasks.expect_error, "other_batch_at_step")
     assert all(m.startswith("RankError") and "batches of 4" in m for m in msgs), msgs
+    msgs = world2.run(pipeline_tasks.expect_error, "value_changed")
+    assert all("wte.scale_grad_by_freq: False -> True" in m and "traced once" in m
+               for m in msgs), msgs

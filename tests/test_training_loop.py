@@ -139,3 +139,13 @@ def test_loss_weights_read_from_the_loss():
     bn.eval()
     assert not of_program(trace(bn, (x,), lambda o, t: o.pow(2).mean(), torch.randn(6, 8),
                                 )).exact()
+
+
+@pytest.mark.parametrize("force", ["data", "tensor"])
+def test_values_read_at_trace_time_follow_changes(world2, force):
+    world2.run(loop_tasks.traced_values, (2,), force)
+
+
+@pytest.mark.parametrize("force", ["data", "tensor"])
+def test_parametrized_weights(world2, force):
+    world2.run(loop_tasks.parametrized_weights, (2,), force)

@@ -1,0 +1,141 @@
+"""Guards on the Python values a parallelized model's programs were traced with.
+
+A program holds what its trace read as constants (passes/trace_values.py). `ValueGuards` keeps
+those values current for a `Parallelized` model: its module tree mirrors the model's plain
+attributes, so `pmodel.drop.p = 0.0` or `pmodel.scale = 2.0` set what the next trace reads; the
+fingerprint of the values the traces read (module attributes, the loss function's globals and
+closure) is part of the key a program is found by, so a changed value traces the model again;
+tensors the loss function captured are copied into the programs again when changed in place.
+A value changing at every step would trace at every step: after `MAX_VALUE_SETS` different
+fingerprints the call is refused, saying which values changed and what to do instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from autopar.passes.trace_values import (  # noqa: F401 - changed: for the parallelized model
+    Fingerprint,
+    attribute_reads,
+    changed,
+    loss_values,
+    plain_value,
+    public_values,
+    watched,
+)
+
+MAX_VALUE_SETS = 8
+
+
+def _module(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path) if path else root
+    except AttributeError:
+        return None
+
+
+def _plain(value):
+    """A watched attribute's fingerprint entry (one set to something else than a plain value
+    by its type's name: the same on every rank)."""
+    entry = plain_value(value)
+    return entry if entry is not None else ("not a plain value", type(value).__name__)
+
+
+class ValueGuards:
+    """The traced values of one parallelized model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, tree: nn.Module, loss_fn):
+        """Mirror `model`'s plain public attributes onto `tree` (the parallelized model, which
+        holds the model's module tree), except names `tree`'s root already has."""
+        self.loss_fn = loss_fn
+        self.root_names: list[str] = []
+        for path, m in model.named_modules():
+            target = _module(tree, path)
+            for name, value in public_values(m).items():
+                if not path:
+                    if hasattr(tree, name):
+                        continue
+                    self.root_names.append(name)
+                setattr(target, name, value)
+        self.pairs: list[tuple[str, str]] = []  # (module path, attribute) a trace read
+        self.resolved: list | None = None  # (label, module of the tree, attribute) per pair
+        self.seen: list[Fingerprint] = []
+        self.lifted: list[list] = []  # [the user's tensor, the program's copy, its version]
+        self.ordinals: dict[int, int] = {}  # id of a tensor the loss reads -> first-seen order
+
+    def fingerprint(self, tree: nn.Module) -> Fingerprint:
+        """The values the traces read, as they are now."""
+        if self.resolved is None:  # the modules, found once for the pairs known
+            self.resolved = [(f"{path or 'model'}.{name}", _module(tree, path), name)
+                             for path, name in self.pairs]
+        out = [(label, _plain(getattr(m, name, None))) for label, m, name in self.resolved]
+        if self.loss_fn is not None:
+            out += [(label, self._same_on_ranks(v)) for label, v in loss_values(self.loss_fn)]
+        return tuple(out)
+
+    def _same_on_ranks(self, value):
+        """A tensor's entry by the order this model first saw it in, not by its id (which
+        differs between ranks; the key is compared among them). The program holds a lifted
+        tensor, so its id stays its own while it matters."""
+        if isinstance(value, tuple) and len(value) == 2 and value[0] == "tensor":
+            return ("tensor", self.ordinals.setdefault(value[1], len(self.ordinals)))
+        return value
+
+    def check(self, fingerprint: Fingerprint) -> str | None:
+        """An error message when this fingerprint would be one too many to trace for."""
+        if fingerprint in self.seen or len(self.seen) < MAX_VALUE_SETS:
+            return None
+        lines = changed(self.seen[0], fingerprint)
+        return (f"values the model's programs were traced with changed {len(self.seen)} "
+                "times (" + "; ".join(lines[:4]) + "); autopar traces and plans the model "
+                "again for each new value, as a compiler would. For a value that changes "
+                "during training, hold it in a tensor and change that in place: a buffer of "
+                "the model (register_buffer, changed through the parallelized model) or a "
+                "tensor the loss function captures (coef.fill_(value)); both are read at "
+                "every step")
+
+    def remember(self, fingerprint: Fingerprint) -> None:
+        """A program was built for these values."""
+        if fingerprint not in self.seen:
+            self.seen.append(fingerprint)
+
+    def sync(self, tree: nn.Module, traced: nn.Module) -> None:
+        """Before a trace: the traced copy takes the values set on the parallelized model."""
+        for path, m in tree.named_modules():
+            target = _module(traced, path)
+            if target is None:
+                continue
+            names = self.root_names if not path else public_values(m)
+            for name in names:
+                if name in vars(target):
+                    setattr(target, name, getattr(m, name))
+
+    @contextlib.contextmanager
+    def reading(self, traced: nn.Module):
+        """Around a trace of `traced`: adds what its forward read to the watched values."""
+        with attribute_reads() as reads:
+            yield
+        for pair in watched(traced, reads):
+            if pair not in self.pairs:
+                self.pairs.append(pair)
+                self.resolved = None
+
+    def follow(self, source: torch.Tensor, copy: torch.Tensor) -> None:
+        """`copy`, a program's constant, is to follow `source`, the tensor the trace lifted."""
+        self.lifted.append([source, copy, source._version])
+
+    def refresh(self) -> list[torch.Tensor]:
+        """Copies again every lifted tensor changed in place since; returns those sources
+        (their values must agree among ranks)."""
+        moved = []
+        for entry in self.lifted:
+            source, copy, version = entry
+            if source._version != version:
+                with torch.no_grad():
+                    copy.copy_(source)
+                entry[2] = source._version
+                moved.append(source)
+        return moved
