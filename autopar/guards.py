@@ -49,17 +49,24 @@ class ValueGuards:
 
     def __init__(self, model: nn.Module, tree: nn.Module, loss_fn):
         """Mirror `model`'s plain public attributes onto `tree` (the parallelized model, which
-        holds the model's module tree), except names `tree`'s root already has."""
+        holds the model's module tree), except names `tree`'s root already has; `model` is
+        the copy the programs are traced from: its plain tensor attributes are mirrored as
+        themselves (the programs lift them as constants)."""
         self.loss_fn = loss_fn
         self.root_names: list[str] = []
+        self.tensors: list[tuple[nn.Module, str, torch.Tensor]] = []  # mirrored tensors
         for path, m in model.named_modules():
             target = _module(tree, path)
-            for name, value in public_values(m).items():
+            tensors = {n: v for n, v in vars(m).items() if not n.startswith("_") and
+                       isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)}
+            for name, value in [*public_values(m).items(), *tensors.items()]:
                 if not path:
                     if hasattr(tree, name):
                         continue
                     self.root_names.append(name)
                 setattr(target, name, value)
+                if name in tensors:
+                    self.tensors.append((target, name, value))
         self.pairs: list[tuple[str, str]] = []  # (module path, attribute) a trace read
         self.resolved: list | None = None  # (label, module of the tree, attribute) per pair
         self.seen: list[Fingerprint] = []
@@ -126,6 +133,27 @@ class ValueGuards:
     def follow(self, source: torch.Tensor, copy: torch.Tensor) -> None:
         """`copy`, a program's constant, is to follow `source`, the tensor the trace lifted."""
         self.lifted.append([source, copy, source._version])
+
+    def rebound(self) -> str | None:
+        """A tensor attribute replaced on the parallelized model (`pmodel.temperature =
+        torch.tensor(2.0)`): its values are copied into the tensor the programs lifted, which
+        takes its place again; an error message when they cannot be (another shape or
+        dtype, or not a tensor)."""
+        for owner, name, tensor in self.tensors:
+            now = getattr(owner, name, None)
+            if now is tensor:
+                continue
+            if not isinstance(now, torch.Tensor) or now.shape != tensor.shape or \
+                    now.dtype != tensor.dtype:
+                return (f"tensor attribute {name} of {type(owner).__name__} "
+                        f"({tuple(tensor.shape)} {tensor.dtype}) was replaced after "
+                        "parallelize by something of another shape or type; the programs "
+                        "were traced with it. Change its values in place, or parallelize the "
+                        "model again")
+            with torch.no_grad():
+                tensor.copy_(now)
+            setattr(owner, name, tensor)
+        return None
 
     def refresh(self) -> list[torch.Tensor]:
         """Copies again every lifted tensor changed in place since; returns those sources

@@ -140,7 +140,7 @@ class Parallelized(nn.Module):
                     owner.add_module(last, nn.Module())
                 owner._modules[last].training = m.training
         # ... and its plain attributes, which the traces read (autopar/guards.py)
-        self._guards = ValueGuards(model, self, loss_fn)
+        self._guards = ValueGuards(self._meta.obj, self, loss_fn)
         self._control = Control()
         self._device = _device_of(mesh)
         self._runners: dict[tuple, list[_Built]] = {}
@@ -202,6 +202,29 @@ class Parallelized(nn.Module):
                         "forward hooks on the model before parallelize (they are traced)")
         return None
 
+    def _rebound_buffers(self, moved: list) -> str | None:
+        """A buffer replaced on the parallelized model (`pmodel.mask = new`, register_buffer
+        again) since the programs took it: its values are copied into the tensor the programs
+        read, which takes its place again (and joins `moved`: ranks must agree on it); an
+        error message if it cannot be (removed, or another shape or dtype)."""
+        for name, whole in self._buffers_whole.items():
+            owner, last = skeleton_child(self, name)
+            now = owner._buffers.get(last)
+            if now is whole:
+                continue
+            if not isinstance(now, torch.Tensor) or now.shape != whole.shape or \
+                    now.dtype != whole.dtype:
+                what = "removed" if not isinstance(now, torch.Tensor) else \
+                    f"replaced by a {tuple(now.shape)} {now.dtype} tensor"
+                return (f"buffer {name} ({tuple(whole.shape)} {whole.dtype}) was {what} after "
+                        "parallelize; the programs were planned for its shape and dtype. "
+                        "Change its values in place, or parallelize the model again")
+            with torch.no_grad():
+                whole.copy_(now)
+            owner._buffers[last] = whole
+            moved.append(whole)
+        return None
+
     def _microbatch_weights(self, weights: LossWeights, parts: list[list[torch.Tensor]]
                             ) -> list[float]:
         """The weight of each microbatch's loss in the whole batch's (passes/loss_weights.py):
@@ -230,9 +253,11 @@ class Parallelized(nn.Module):
     def _program_for(self, call: Call, step: bool) -> _Built:
         key = self._model_key(call)
         built = self._find(key, call, step)
+        rebound = self._guards.rebound()
         moved = self._guards.refresh()
         error = check_device(call, self._device) or (check_no_input_grads(call) if step
-                                                     else None) or self._module_hooks()
+                                                     else None) or self._module_hooks() \
+            or rebound or self._rebound_buffers(moved)
         if error is None and built is None:
             error = self._guards.check(key[0][1])
         if step and not torch.is_grad_enabled():
@@ -360,7 +385,8 @@ class Parallelized(nn.Module):
         constants = self._constants(program)
         runner = ParallelModule(plan, programs, program.params, self._store, constants,
                                 list(program.inputs), self._comm, self._grad_sync,
-                                program.out_spec, self._compute_dtype)
+                                program.out_spec, self._compute_dtype,
+                                program.inputs[len(call.args)] if program.has_target else None)
         target = None
         if program.has_target:
             target = (tuple(call.target.shape), call.target.dtype)
@@ -546,7 +572,9 @@ class Parallelized(nn.Module):
             error = check_no_input_grads(call) or self._module_hooks()
         if error is None and self._pipeline is not None:
             error = self._pipeline.check(call.args)
+        rebound = self._guards.rebound()
         moved = self._guards.refresh()
+        error = error or rebound or self._rebound_buffers(moved)
         if error is None and self._pipeline is not None:
             now = self._guards.fingerprint(self)
             lines = changed(self._pipeline.values, now)

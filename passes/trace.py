@@ -464,12 +464,20 @@ def computed_attribute(model: nn.Module) -> str | None:
     return None
 
 
+def plain_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors `model`'s modules hold as plain attributes (not parameters or buffers)."""
+    return [v for m in model.modules() for v in vars(m).values()
+            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]
+
+
 def fake_copy(model: nn.Module, mode, device: torch.device,
               param_dtype: torch.dtype | None = None) -> nn.Module:
     """A copy of `model` whose parameters and buffers are `mode`'s fake tensors on `device`
     (shapes, strides and dtypes, no storage; tied parameters stay tied); floating-point
-    parameters in `param_dtype` when given (mixed precision)."""
-    memo: dict[int, torch.Tensor] = {}
+    parameters in `param_dtype` when given (mixed precision). A module's plain tensor
+    attributes are shared, not copied: the program lifts them as constants, and the caller
+    follows their changes (autopar/guards.py)."""
+    memo: dict[int, torch.Tensor] = {id(t): t for t in plain_tensors(model)}
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) in memo:
             continue

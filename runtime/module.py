@@ -37,16 +37,20 @@ class ParallelModule:
     def __init__(self, plan, programs: LocalPrograms, param_of: dict[str, str],
                  store: ParameterStore, constants: dict[str, torch.Tensor],
                  input_names: list[str], comm: MeshComm, grad_sync: GradSync | None, out_spec,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, target: str | None = None):
         """`param_of` maps the programs' parameter placeholders to parameter names,
         `constants` their constant placeholders to tensors, `input_names` are the user-input
-        placeholders in the order calls pass tensors (see autopar.inputs.Call.tensors)."""
+        placeholders in the order calls pass tensors (see autopar.inputs.Call.tensors), and
+        `target` the one among them a training call passes the target in (an inference call
+        passes none)."""
         self.plan = plan
         self._programs = programs
         self._param_of = param_of
         self._store = store
         self._constants = constants
         self._input_names = input_names
+        self._target = target
+        self._inference_names = [n for n in input_names if n != target]
         self._comm = comm
         self._grad_sync = grad_sync
         self._out_spec = out_spec
@@ -60,14 +64,17 @@ class ParallelModule:
         """Whether this program computes a loss (step() can run it)."""
         return self._programs.train is not None
 
-    def _feed(self, names: list[str], tensors: list[torch.Tensor]) -> list:
-        given = dict(zip(self._input_names, tensors))
+    def _feed(self, names: list[str], tensors: list[torch.Tensor], inference: bool = False
+              ) -> list:
+        given = dict(zip(self._inference_names if inference else self._input_names, tensors))
         args = []
         for name in names:
             if name in self._param_of:
                 args.append(self._store.compute(self._param_of[name], self._compute_dtype))
             elif name in self._constants:
                 args.append(self._constants[name])
+            elif inference and name == self._target:
+                args.append(None)  # a training program's target: its inference never reads it
             else:
                 args.append(given[name])
         return args
@@ -111,5 +118,5 @@ class ParallelModule:
         train through `step`, which seeds the backward pass correctly."""
         self._store.refresh()
         with torch.no_grad():
-            flat = self._programs.infer(*self._feed(self._infer_inputs, tensors))
+            flat = self._programs.infer(*self._feed(self._infer_inputs, tensors, True))
         return tree_unflatten(list(flat), self._out_spec)

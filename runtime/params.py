@@ -129,10 +129,12 @@ class ParameterStore:
         """The whole gradient of parameter `name`, zeros when it has none (a collective)."""
         z = self.zero.get(name)
         leaf = self.leaves[name]
+        g = self.params[name].grad  # what the user's optimizer sees (None after zero_grad;
+        # whatever the loop set after step(): p.grad = p.grad * scale)
         if z is None:
-            return self.whole(name, leaf.grad if leaf.grad is not None
-                              else torch.zeros_like(leaf))
-        g = self.params[name].grad  # what the user's optimizer sees (None after zero_grad)
+            if isinstance(g, DTensor):
+                g = g.to_local()
+            return self.whole(name, g if g is not None else torch.zeros_like(leaf))
         g = g.to_local() if g is not None else torch.zeros_like(z.view)
         return DTensor.from_local(g, self.mesh, z.shard.placements, run_check=False).full_tensor()
 

@@ -88,7 +88,9 @@ def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
                 for slot, (u, idx) in enumerate(v.inputs))
             what = f"{v.name} ({v.op})"
         elif v.kind == PARAM:
-            b = cost.param_memory_split(v, s.output, s.zero)[dominant]
+            # FSDP's gathered copies are the parameters' whole copies: ranked by their shards
+            b = cost.param_memory_split(v, s.output, s.zero).get(
+                "parameters" if dominant == "gathered" else dominant, 0.0)
             what = v.param_name or v.name
         else:
             continue
@@ -100,6 +102,10 @@ def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
     if dominant == "activations":
         advice = ("use a smaller batch or sequence, gradient accumulation (microbatches=), "
                   "more devices, or pipeline stages (a mesh dimension named \"pp\")")
+    elif dominant == "gathered":
+        advice = ("gather FSDP's parameters in smaller buckets (bucket_bytes=), shard the "
+                  "largest layers with tensor parallelism, or use mixed precision "
+                  "(precision=\"bf16-mixed\")")
     else:
         advice = ("shard over more devices, use mixed precision (precision=\"bf16-mixed\") or an "
                   "optimizer with less state (optimizer=\"sgd-momentum\")")

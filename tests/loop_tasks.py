@@ -504,3 +504,52 @@ def parametrized_weights(mesh_shape, force=None) -> None:
     pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=F.cross_entropy, force=force,
                              example_inputs=(x, y))
     check_training(pm, ref, F.cross_entropy, x, y, 3)
+
+
+class _Held(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 32)
+        self.out = torch.nn.Linear(32, 8)
+        self.register_buffer("gate", torch.ones(32))
+        self.temperature = torch.tensor(1.0)  # a plain tensor attribute
+
+    def forward(self, x, mask=None):
+        h = torch.relu(self.inp(x)) * self.gate
+        if mask is not None:
+            h = h * mask
+        return self.out(h) / self.temperature
+
+
+def reassigned_state(mesh_shape, force=None) -> None:
+    """State replaced on the parallelized model between steps, as a loop might: a buffer
+    assigned anew, a plain tensor attribute assigned anew and changed in place, gradients
+    rescaled by assignment (p.grad = p.grad * 2: full_grads reads them), and inference with a
+    keyword input after a step that took it."""
+    torch.manual_seed(0)
+    model = _Held().double()
+    model.temperature = model.temperature.double()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 8, (8,))
+    mask = (torch.rand(8, 32) > 0.3).double()
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=F.cross_entropy, force=force,
+                             example_inputs=(x, y), example_kwargs={"mask": mask})
+    for change in [
+            lambda m: setattr(m, "gate", torch.linspace(0.5, 1.5, 32, dtype=torch.float64)),
+            lambda m: setattr(m, "temperature", torch.tensor(2.0, dtype=torch.float64)),
+            lambda m: m.temperature.fill_(0.5),
+            lambda m: m.register_buffer("gate", torch.full((32,), 0.25, dtype=torch.float64))]:
+        change(pm)
+        change(ref)
+        loss = pm.step(x, y, mask=mask)
+        ref.zero_grad()
+        ref_loss = F.cross_entropy(ref(x, mask=mask), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        for params in (pm.parameters(), ref.parameters()):
+            for p in params:
+                p.grad = p.grad * 2.0
+        check_equal("gradient", pm.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+        pm.zero_grad()
+        with torch.no_grad():
+            torch.testing.assert_close(pm(x, mask=mask), ref(x, mask=mask), rtol=RTOL, atol=ATOL)

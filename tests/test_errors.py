@@ -320,3 +320,11 @@ def test_legacy_weight_norm_names_the_module_and_the_replacement():
     torch.nn.utils.parametrizations.weight_norm(model[0])  # what the message says to do
     plan = autopar.plan(model, autopar.MeshSpec((2,)), (x, y), loss_fn=F.cross_entropy)
     assert "0.parametrizations.weight.original0" in plan.parameters
+
+
+def test_no_plan_fits_when_fsdp_gathers_dominate():
+    model = MLP([16, 64, 32])
+    x, y = torch.randn(8, 16), torch.randint(0, 32, (8,))
+    with pytest.raises(NoFeasiblePlan, match=r"dominated by gathered.*bucket_bytes"):
+        autopar.plan(model, autopar.MeshSpec((2,)), (x, y), loss_fn=F.cross_entropy,
+                     force="fsdp", memory_budget=20_000)

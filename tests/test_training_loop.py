@@ -149,3 +149,8 @@ def test_values_read_at_trace_time_follow_changes(world2, force):
 @pytest.mark.parametrize("force", ["data", "tensor"])
 def test_parametrized_weights(world2, force):
     world2.run(loop_tasks.parametrized_weights, (2,), force)
+
+
+@pytest.mark.parametrize("force", ["data", "tensor", "fsdp"])
+def test_state_reassigned_between_steps(world2, force):
+    world2.run(loop_tasks.reassigned_state, (2,), force)
