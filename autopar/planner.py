@@ -9,6 +9,7 @@ import time
 from collections import defaultdict
 
 from autopar.passes import strategies as strat_pass
+from autopar.passes.batch_local import mixing
 from autopar.passes.cluster import cluster
 from autopar.passes.loss_weights import of_program
 from autopar.passes.pipeline_split import layer_blocks
@@ -436,6 +437,9 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
     levels, recompute = rounds.levels, rounds.recompute()
     program = trace_at(m)
     why = of_program(program, bool(options.per_rank_inputs)).exact() if m > 1 else ""
+    if m > 1 and not why:  # an op mixing the samples of the batch (passes/batch_local.py)
+        whole = trace_at(1)
+        why = mixing(whole, m, next(iter(whole.strategy_graphs.values()), None))
     if why and options.microbatches is not None:
         raise ValueError(f"microbatches={m}: gradient accumulation would not compute what the "
                          f"whole batch does: {why}. Pass microbatches=1 (and recompute= or a "

@@ -126,6 +126,21 @@ def loss_weights(gm: fx.GraphModule, inputs: list[str], loss: fx.Node | None,
     return LossWeights(coupled=coupled)
 
 
+def loss_tail(program: TracedProgram) -> list[str]:
+    """The nodes of `program` that make its loss out of the samples' values: the op the
+    weights are read from (its last that is not a cast, view or copy) and those after it."""
+    if not program.has_loss:
+        return []
+    out = next(n for n in program.graph.nodes if n.op == "output")
+    node, names = tree_leaves(out.args[0])[-1], []
+    while node.op == "call_function" and node.target in _PASS_THROUGH:
+        names.append(node.name)
+        node = node.args[0]
+    if node.op == "call_function":
+        names.append(node.name)
+    return names
+
+
 def of_program(program: TracedProgram, per_rank_inputs: bool = False) -> LossWeights:
     """`loss_weights` of a traced program's loss (none for an inference program). With
     `per_rank_inputs` (every rank passes its own slice of the batch) a loss averaging over

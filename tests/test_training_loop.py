@@ -154,3 +154,56 @@ def test_parametrized_weights(world2, force):
 @pytest.mark.parametrize("force", ["data", "tensor", "fsdp"])
 def test_state_reassigned_between_steps(world2, force):
     world2.run(loop_tasks.reassigned_state, (2,), force)
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self, center: bool = False):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 16)
+        self.center = center
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.center:
+            h = h - h.mean(0, keepdim=True)  # centred on the batch's mean: mixes samples
+        return self.b(h)
+
+
+def _info_nce(z, positives):  # every sample against every other: mixes samples
+    logits = F.normalize(z, dim=-1) @ F.normalize(positives, dim=-1).t() / 0.1
+    return F.cross_entropy(logits, torch.arange(z.shape[0]))
+
+
+def _normalized_mse(z, y):  # per-sample: microbatches add up
+    return F.mse_loss(F.normalize(z, dim=-1), y)
+
+
+@pytest.mark.parametrize("model,loss_fn,where", [
+    (_Encoder(), _info_nce, "op matmul.default in the loss function"),
+    (_Encoder(center=True), F.mse_loss, r"op sub.Tensor \(File .*h.mean\(0"),
+    (_Encoder(), lambda z, y: F.mse_loss(z[:, :1], y[:, 0]), "op broadcast_tensors"),
+], ids=["contrastive", "batch_centred", "broadcast"])
+def test_accumulation_refused_where_samples_mix(model, loss_fn, where):
+    """Ops that mix the samples of the batch make microbatches that do not add up to it: an
+    explicit microbatches= is refused naming the op, and the planner never accumulates."""
+    import autopar
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    mesh = autopar.MeshSpec((2,))
+    with pytest.raises(ValueError, match=rf"microbatches=2: .*{where}.*mixes the samples"):
+        autopar.plan(model, mesh, (x, y), loss_fn=loss_fn, microbatches=2)
+    per_sample = autopar.plan(_Encoder(), mesh, (x, y), loss_fn=_normalized_mse,
+                              microbatches=2)
+    assert per_sample.accumulation == 2
+
+
+def test_planner_never_accumulates_a_loss_that_mixes_samples():
+    """Under a budget the whole batch does not fit, the planner would accumulate; a loss
+    comparing every sample with every other makes it say why it cannot instead."""
+    import autopar
+    from autopar.solver.ilp import NoFeasiblePlan
+    x, y = torch.randn(512, 16, dtype=torch.float64), torch.randn(512, 16, dtype=torch.float64)
+    with pytest.raises(NoFeasiblePlan, match=r"accumulation would not compute what the whole "
+                                             r"batch does: op matmul.default.*mixes the samples"):
+        autopar.plan(_Encoder().double(), autopar.MeshSpec((2,), hardware="cpu"), (x, y),
+                     loss_fn=_info_nce, memory_budget=2e6)

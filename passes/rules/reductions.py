@@ -38,9 +38,9 @@ def _reduced_dims(call: OpCall) -> tuple[list[int], bool]:
     return sorted(norm_dim(d, x.ndim) for d in dims), bool(call.arg(2, "keepdim", False))
 
 
-def _reduction_rules(call: OpCall, linear: bool) -> list[Rule1D]:
+def _reduction_rules(call: OpCall, linear: bool, reduced_dims=None) -> list[Rule1D]:
     x = call.inputs[0]
-    reduced, keepdim = _reduced_dims(call)
+    reduced, keepdim = reduced_dims or _reduced_dims(call)
     rules = []
     kept = 0
     for j in range(x.ndim):
@@ -66,6 +66,7 @@ facts(aten.amax.default, aten.amin.default, aten.prod.dim_int, saves=SAVES_INPUT
       saves_output=True)
 facts(aten.var.correction, aten.std.correction, saves=SAVES_INPUTS)
 facts(aten.logsumexp.default, saves=SAVES_INPUTS, saves_output=True, flops_per_element=20.0)
+facts(aten.linalg_vector_norm.default, saves=SAVES_INPUTS, saves_output=True)
 facts(aten._softmax.default, aten._log_softmax.default, aten.softmax.int,
       aten.log_softmax.int, saves=SAVES_OUTPUT, flops_per_element=20.0)
 
@@ -82,6 +83,20 @@ def sum_mean(call: OpCall) -> list[Rule1D]:
 def other_reduction(call: OpCall) -> list[Rule1D]:
     """Non-linear reductions: only dimensions that are not reduced may be sharded."""
     return _reduction_rules(call, linear=False)
+
+
+@register(aten.linalg_vector_norm.default)
+def vector_norm(call: OpCall) -> list[Rule1D]:
+    """A vector norm (`F.normalize`, `x.norm(dim=-1)`): only dimensions it does not reduce
+    may be sharded (a norm of pieces is no sum of the pieces' norms)."""
+    x = call.inputs[0]
+    dims = call.arg(2, "dim", None)
+    if dims is None or dims == []:
+        reduced = list(range(x.ndim))
+    else:
+        reduced = sorted(norm_dim(d, x.ndim) for d in ([dims] if isinstance(dims, int) else dims))
+    return _reduction_rules(call, linear=False,
+                            reduced_dims=(reduced, bool(call.arg(3, "keepdim", False))))
 
 
 def _scaled_mean(x, dims, keepdim, scale, dtype=None):

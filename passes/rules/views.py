@@ -137,6 +137,35 @@ def expand(call: OpCall) -> list[Rule1D]:
                                 if x.shape[j] == call.out_shape[j + lead] and x.shape[j] != 1})
 
 
+@register(aten.constant_pad_nd.default, aten.pad.default)
+def pad(call: OpCall) -> list[Rule1D]:
+    """Constant padding (`pad` lists (before, after) pairs from the last dimension back):
+    dimensions it does not pad may be sharded. Other modes (reflect, replicate, circular)
+    read the edges of the padded dimensions only, so the same holds for them."""
+    x = call.inputs[0]
+    widths = list(call.args[1])
+    padded = {x.ndim - 1 - k // 2 for k in range(len(widths)) if widths[k] != 0}
+    rules = dim_map_rules(call, {j: j for j in range(x.ndim) if j not in padded})
+    return [r for r in rules if r.inputs[0] != P]  # a pending sum would pad every piece
+
+
+@register(aten.expand_as.default)
+def expand_as(call: OpCall) -> list[Rule1D]:
+    """Broadcast to the shape of `other`, whose values are not read: each dimension of the
+    output may be sharded as `other` is, with the input sharded alike where it is not
+    broadcast there (and whole where it is)."""
+    x, other = call.inputs[0], call.inputs[1]
+    lead = other.ndim - x.ndim
+    rules = [Rule1D((R, R), R)]
+    for j in range(other.ndim):
+        i = j - lead
+        if i >= 0 and x.shape[i] == other.shape[j] and x.shape[i] != 1:
+            rules.append(Rule1D((Shard(i), Shard(j)), Shard(j)))
+        else:
+            rules.append(Rule1D((R, Shard(j)), Shard(j)))
+    return rules
+
+
 @register(aten.slice.Tensor)
 def slice_(call: OpCall) -> list[Rule1D]:
     """A slice along one dimension: the others may be sharded."""

@@ -1,0 +1,96 @@
+"""Whether a model keeps the samples of its batch apart until the loss adds them up.
+
+Gradient accumulation runs a batch as m microbatches and adds up their gradients. That
+computes what the whole batch does only when no op mixes samples before the loss sums or
+averages over them: BatchNorm's batch statistics, a contrastive loss comparing every sample
+with every other, a feature centred on the batch's mean, a (B, 1) prediction broadcast
+against a (B,) target all mix them. The sharding rules know which ops keep samples apart: an
+op does when one of its strategies takes each input that carries the batch sharded as it
+arrives (no collective), and every other input whole or sliced (which needs none). `mixing`
+starts from the inputs whose first dimension is the batch, sharded on it over one mesh
+dimension (of the planner's strategy graph, or of a mesh of m devices), propagates the
+placements each value can have that way, and names the first op that has none; an op
+without a sharding rule counts as one (autopar cannot tell). The loss's own last op (and
+the casts and views after it) is left out: passes/loss_weights.py weighs each microbatch's
+loss so that they add up to the batch's, or refuses.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Shard
+
+from . import strategies
+from .loss_weights import loss_tail
+from .placement import R, interned, is_partial
+from .trace import TracedProgram
+
+_CACHE: dict[int, tuple[TracedProgram, str]] = {}
+
+
+def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | None = None
+           ) -> str:
+    """Where the model traced as `program` (on the whole batch: its first input's first
+    dimension) mixes the samples of its batch, as words naming the op and its model line, or
+    "" when no op does and m microbatches add up to the batch. `graph` is a strategy graph of
+    `program` already built (the planner's, on its mesh): one of its mesh dimensions that
+    divides the batch serves, else one is built on a mesh of m. Cached per program."""
+    hit = _CACHE.get(id(program))
+    if hit is not None and hit[0] is program:
+        return hit[1]
+    first = next(n for n in program.graph.nodes if n.name == program.inputs[0])
+    shape = tuple(first.meta["val"].shape)
+    if not shape:
+        return ""
+    batch = int(shape[0])
+    dim = next((k for k, n in enumerate(graph.mesh_shape) if n > 1 and batch % n == 0),
+               None) if graph is not None else None
+    if dim is None:
+        graph, dim = strategies.build(program, (m,)), 0
+    why = _mixing(graph, program.inputs, batch, dim, set(loss_tail(program)))
+    if len(_CACHE) > 64:
+        _CACHE.clear()
+    _CACHE[id(program)] = (program, why)
+    return why
+
+
+def _local(placements) -> bool:
+    """Whether a value the batch does not reach can take `placements` without a collective:
+    whole, or a slice of it (a mask broadcast to the batch, cut to each rank's rows)."""
+    return not any(is_partial(p) for p in placements)
+
+
+def _mixing(graph: strategies.StrategyGraph, inputs: list[str], batch: int, dim: int,
+            tail: set[str]) -> str:
+    ndim = len(graph.mesh_shape)
+    start = interned(tuple(Shard(0) if k == dim else R for k in range(ndim)))
+    possible: dict[tuple[str, int | None], set] = {}
+    for name in inputs:
+        v = graph.nodes.get(name)
+        if v is not None and v.out_shapes and v.out_shapes[0] and v.out_shapes[0][0] == batch:
+            possible[(name, None)] = {start}
+    for v in graph.nodes.values():
+        if v.kind != strategies.OP:
+            continue
+        carried = [i for i, edge in enumerate(v.inputs) if edge in possible]
+        if not carried or v.name in tail:  # the loss: loss_weights weighs its microbatches
+            continue
+        outs = range(len(v.out_shapes)) if v.multi_output else [None]
+        found = False
+        for s in v.strategies:
+            if all((s.inputs[i] in possible[edge]) if i in carried else _local(s.inputs[i])
+                   for i, edge in enumerate(v.inputs)):
+                found = True
+                for k in outs:
+                    possible.setdefault((v.name, k), set()).add(s.out(k))
+        if not found:
+            where = " in the loss function" if "self.loss_fn(" in v.source else \
+                (f" in module {v.module}" if v.module else "") + \
+                (f" ({v.source})" if v.source else "")
+            if v.replicated_only:
+                return (f"op {v.op}{where} has no sharding rule, so autopar cannot tell "
+                        "whether it keeps the samples of the batch apart")
+            return (f"op {v.op}{where} mixes the samples of the batch (no strategy computes "
+                    "it from each sample's own rows: batch statistics, a comparison of every "
+                    "sample with every other, a shape broadcast across the batch, a mean over "
+                    "the whole batch's targets inside a larger loss)")
+    return ""
