@@ -37,9 +37,10 @@ def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | Non
     hit = _CACHE.get(id(program))
     if hit is not None and hit[0] is program:
         return hit[1]
-    first = next(n for n in program.graph.nodes if n.name == program.inputs[0])
-    shape = tuple(first.meta["val"].shape)
-    if not shape:
+    first = next((n for n in program.graph.nodes if program.inputs and
+                  n.name == program.inputs[0]), None)
+    shape = tuple(first.meta["val"].shape) if first is not None else ()
+    if not shape:  # no input, or a 0-dimensional first one: no batch to split
         return ""
     batch = int(shape[0])
     dim = next((k for k, n in enumerate(graph.mesh_shape) if n > 1 and batch % n == 0),
