@@ -17,7 +17,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from autopar.passes.trace_values import (  # noqa: F401 - changed: for the parallelized model
+from autopar.passes.trace_values import (
     Fingerprint,
     attribute_reads,
     changed,
@@ -42,6 +42,21 @@ def _plain(value):
     by its type's name: the same on every rank)."""
     entry = plain_value(value)
     return entry if entry is not None else ("not a plain value", type(value).__name__)
+
+
+def put_back(kept: torch.Tensor, now, what: str) -> str | None:
+    """`now`, what the user assigned in place of `kept` (a tensor the programs read), gives
+    `kept` its values (the caller puts `kept` back in its place); an error message naming
+    `what` when it cannot (not a tensor, or another shape or dtype)."""
+    if not isinstance(now, torch.Tensor) or now.shape != kept.shape or now.dtype != kept.dtype:
+        got = f"a {tuple(now.shape)} {now.dtype} tensor" if isinstance(now, torch.Tensor) \
+            else type(now).__name__
+        return (f"{what} ({tuple(kept.shape)} {kept.dtype}) was replaced by {got} after "
+                "parallelize; the programs were planned for its shape and dtype. Change its "
+                "values in place, or parallelize the model again")
+    with torch.no_grad():
+        kept.copy_(now)
+    return None
 
 
 class ValueGuards:
@@ -141,18 +156,12 @@ class ValueGuards:
         dtype, or not a tensor)."""
         for owner, name, tensor in self.tensors:
             now = getattr(owner, name, None)
-            if now is tensor:
-                continue
-            if not isinstance(now, torch.Tensor) or now.shape != tensor.shape or \
-                    now.dtype != tensor.dtype:
-                return (f"tensor attribute {name} of {type(owner).__name__} "
-                        f"({tuple(tensor.shape)} {tensor.dtype}) was replaced after "
-                        "parallelize by something of another shape or type; the programs "
-                        "were traced with it. Change its values in place, or parallelize the "
-                        "model again")
-            with torch.no_grad():
-                tensor.copy_(now)
-            setattr(owner, name, tensor)
+            if now is not tensor:
+                error = put_back(tensor, now, f"tensor attribute {name} of "
+                                              f"{type(owner).__name__}")
+                if error:
+                    return error
+                setattr(owner, name, tensor)
         return None
 
     def refresh(self) -> list[torch.Tensor]:

@@ -40,6 +40,7 @@ from autopar.passes.recompute_regions import wrap_recomputed
 from autopar.passes.rewrite import rewrite
 from autopar.passes.torch_compat import persistent_buffers
 from autopar.passes.trace import TracedProgram, TraceError, meta_copy, trace, untraced_hooks
+from autopar.passes.trace_values import changed
 from autopar.passes.zero import zero_shard
 from autopar.runtime.collectives import MeshComm
 from autopar.runtime.control import Control, RankError, agreed, content_hash, signature
@@ -51,7 +52,7 @@ from autopar.runtime.zero import ZeroSync
 from autopar.solver.specs import compute_dtype
 from autopar.solver.stages import StageError
 
-from .guards import ValueGuards, changed
+from .guards import ValueGuards, put_back
 from .inputs import (
     Call,
     batch_of,
@@ -210,19 +211,12 @@ class Parallelized(nn.Module):
         for name, whole in self._buffers_whole.items():
             owner, last = skeleton_child(self, name)
             now = owner._buffers.get(last)
-            if now is whole:
-                continue
-            if not isinstance(now, torch.Tensor) or now.shape != whole.shape or \
-                    now.dtype != whole.dtype:
-                what = "removed" if not isinstance(now, torch.Tensor) else \
-                    f"replaced by a {tuple(now.shape)} {now.dtype} tensor"
-                return (f"buffer {name} ({tuple(whole.shape)} {whole.dtype}) was {what} after "
-                        "parallelize; the programs were planned for its shape and dtype. "
-                        "Change its values in place, or parallelize the model again")
-            with torch.no_grad():
-                whole.copy_(now)
-            owner._buffers[last] = whole
-            moved.append(whole)
+            if now is not whole:
+                error = put_back(whole, now, f"buffer {name}")
+                if error:
+                    return error
+                owner._buffers[last] = whole
+                moved.append(whole)
         return None
 
     def _microbatch_weights(self, weights: LossWeights, parts: list[list[torch.Tensor]]

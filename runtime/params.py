@@ -128,14 +128,12 @@ class ParameterStore:
     def whole_grad(self, name: str) -> torch.Tensor:
         """The whole gradient of parameter `name`, zeros when it has none (a collective)."""
         z = self.zero.get(name)
-        leaf = self.leaves[name]
         g = self.params[name].grad  # what the user's optimizer sees (None after zero_grad;
         # whatever the loop set after step(): p.grad = p.grad * scale)
+        g = g.to_local() if isinstance(g, DTensor) else g
         if z is None:
-            if isinstance(g, DTensor):
-                g = g.to_local()
-            return self.whole(name, g if g is not None else torch.zeros_like(leaf))
-        g = g.to_local() if g is not None else torch.zeros_like(z.view)
+            return self.whole(name, g if g is not None else torch.zeros_like(self.leaves[name]))
+        g = g if g is not None else torch.zeros_like(z.view)
         return DTensor.from_local(g, self.mesh, z.shard.placements, run_check=False).full_tensor()
 
     def register(self, root: nn.Module) -> None:
