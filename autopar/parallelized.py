@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate
 
 from autopar.passes import strategies as strat_pass
+from autopar.passes.batch_local import split_problem
 from autopar.passes.loss_weights import LossWeights, microbatch_weights, of_program
 from autopar.passes.pipeline_split import ValueMeta, layer_blocks, split_stages
 from autopar.passes.recompute_regions import wrap_recomputed
@@ -629,8 +630,8 @@ class Parallelized(nn.Module):
             graph = strat_pass.build(program, spec.without(pipe.mesh_dim).shape)
             choice = choice_from_plan(chosen, graph)
             blocks = layer_blocks(program, graph)
-            why = of_program(program).exact()
-            if why and pipe.microbatches > 1:
+            why = split_problem(tracer(1), pipe.microbatches)
+            if why:
                 raise ValueError(f"a pipeline runs the batch as {pipe.microbatches} "
                                  "microbatches, which would not compute what the whole batch "
                                  f"does: {why}. Plan it without a pp mesh dimension")

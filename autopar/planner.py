@@ -9,9 +9,8 @@ import time
 from collections import defaultdict
 
 from autopar.passes import strategies as strat_pass
-from autopar.passes.batch_local import mixing
+from autopar.passes.batch_local import split_problem
 from autopar.passes.cluster import cluster
-from autopar.passes.loss_weights import of_program
 from autopar.passes.pipeline_split import layer_blocks
 from autopar.passes.placement import Placements, R, Shard, fmt, local_shape
 from autopar.passes.recompute import NONE as NO_RECOMPUTE
@@ -436,10 +435,7 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
     m = rounds.counts[rounds.next]
     levels, recompute = rounds.levels, rounds.recompute()
     program = trace_at(m)
-    why = of_program(program, bool(options.per_rank_inputs)).exact() if m > 1 else ""
-    if m > 1 and not why:  # an op mixing the samples of the batch (passes/batch_local.py)
-        whole = trace_at(1)
-        why = mixing(whole, m, next(iter(whole.strategy_graphs.values()), None))
+    why = split_problem(trace_at(1), m, bool(options.per_rank_inputs)) if m > 1 else ""
     if why and options.microbatches is not None:
         raise ValueError(f"microbatches={m}: gradient accumulation would not compute what the "
                          f"whole batch does: {why}. Pass microbatches=1 (and recompute= or a "
@@ -780,6 +776,15 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
     if not program.has_loss:
         raise ValueError("a pipelined plan trains through step(); pass loss_fn= (pipelined "
                          "inference alone is not supported)")
+    # A schedule runs the batch as microbatches: only where they add up to the whole batch.
+    why = split_problem(trace_at(1), microbatches or 2) if batch > 1 and microbatches != 1 \
+        else ""
+    if why and microbatches is not None:
+        raise ValueError(f"microbatches={microbatches}: a pipeline schedule would not compute "
+                         f"what the whole batch does: {why}. Pass microbatches=1, or plan "
+                         "without a pp mesh dimension")
+    if why:
+        microbatches = 1
     graph = strat_pass.build(program, sub.shape)
     cost = _stage_cost(sub, graph, optimizer, precision, profile, options.bucket_bytes)
     blocks = layer_blocks(program, graph)

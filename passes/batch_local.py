@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Shard
 
 from . import strategies
-from .loss_weights import loss_tail
+from .loss_weights import loss_tail, of_program
 from .placement import R, interned, is_partial
 from .trace import TracedProgram
 
@@ -52,6 +52,17 @@ def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | Non
         _CACHE.clear()
     _CACHE[id(program)] = (program, why)
     return why
+
+
+def split_problem(whole: TracedProgram, m: int, per_rank_inputs: bool = False) -> str:
+    """Why m microbatches of the model traced as `whole` (on the whole batch) would not add
+    up to the whole batch's step, or "": BatchNorm in training mode or a loss whose
+    microbatches cannot be weighted (passes/loss_weights.py), else an op mixing the samples
+    (`mixing`). Gradient accumulation and pipeline schedules both split the batch this way."""
+    if m <= 1:
+        return ""
+    return of_program(whole, per_rank_inputs).exact() or \
+        mixing(whole, m, next(iter(whole.strategy_graphs.values()), None))
 
 
 def _local(placements) -> bool:

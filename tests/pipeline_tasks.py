@@ -68,6 +68,10 @@ def expect_error(kind: str) -> str:
             pm.step(x, y)
             pm.wte.scale_grad_by_freq = True
             pm.step(x, y)
+        elif kind == "samples_mix":  # a loss centring the logits on the batch's mean
+            autopar.parallelize(model, mesh_for((size,), ("pp",)), loss_fn=lambda out, t:
+                                loss_fn(out - out.mean(0, keepdim=True), t),
+                                example_inputs=(x, y), microbatches=2)
         else:
             raise ValueError(kind)
     except Exception as e:  # noqa: BLE001 - the test inspects the message

@@ -387,6 +387,24 @@ def test_more_stages_than_layer_blocks():
         gpt_pp_plan((8,), ("pp",), microbatches=4)
 
 
+def test_a_pipeline_never_splits_a_batch_whose_samples_mix():
+    """A pipeline schedule runs the batch as microbatches, as gradient accumulation does: a
+    loss comparing every sample with every other is refused at microbatches=2, and planned
+    freely the pipeline keeps the batch whole."""
+    model, _, (x, _) = rank_tasks.build("gpt")
+    spec = autopar.MeshSpec((2,), names=("pp",), hardware="cpu")
+
+    def contrastive(logits, target):  # each sample's mean logits against every other's
+        z = logits.mean(1)
+        return nn.functional.cross_entropy(z @ z.t(), torch.arange(z.shape[0]))
+
+    with pytest.raises(ValueError, match="microbatches=2: a pipeline schedule would not compute "
+                                         "what the whole batch does: op .* in the loss "
+                                         "function mixes the samples"):
+        autopar.plan(model, spec, (x, x), loss_fn=contrastive, microbatches=2)
+    assert autopar.plan(model, spec, (x, x), loss_fn=contrastive).pipeline.microbatches == 1
+
+
 def test_batch_not_divisible_into_microbatches():
     with pytest.raises(StageError, match="does not split into 3 microbatches"):
         gpt_pp_plan(microbatches=3)
@@ -559,3 +577,6 @@ def test_pipelined_errors_reach_every_rank(world2):
     msgs = world2.run(pipeline_tasks.expect_error, "value_changed")
     assert all("wte.scale_grad_by_freq: False -> True" in m and "traced once" in m
                for m in msgs), msgs
+    msgs = world2.run(pipeline_tasks.expect_error, "samples_mix")
+    assert all(m.startswith("ValueError: microbatches=2: a pipeline schedule would not") and
+               "mixes the samples" in m for m in msgs), msgs
