@@ -34,7 +34,7 @@ from autopar.passes.reshard import BUCKET_BYTES
 from autopar.passes.trace import gradient_hook_message
 from autopar.passes.zero import ZeroShard
 
-from .zero import ZeroParam, gather_stepped, shard_view
+from .zero import ZeroParam, at_offset_zero, gather_stepped, shard_view
 
 
 def skeleton_child(root: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -93,7 +93,8 @@ class ParameterStore:
                     requires_grad=requires_grad[name])
                 self.zero[name] = ZeroParam(stage, shard, view)
                 continue
-            dt = DTensor.from_local(block, mesh, placements[name], run_check=False)
+            dt = DTensor.from_local(at_offset_zero(block), mesh, placements[name],
+                                    run_check=False)
             p = nn.Parameter(dt, requires_grad=requires_grad[name])
             with torch.no_grad():  # a leaf on the same storage as the DTensor's block
                 self.leaves[name] = nn.Parameter(p.to_local(),

@@ -1,7 +1,7 @@
 """ZeRO-1 and ZeRO-2 at run time (passes/zero.py says what they are).
 
 Each ZeRO parameter has a whole copy (its leaf, what the programs use and autograd gives a
-gradient) and a shard (`ZeroParam.view`, a view of this rank's slice of the leaf, which the
+gradient) and a shard (`ZeroParam.view`, this rank's slice of the leaf's memory, which the
 user's optimizer steps through a DTensor parameter). `ZeroSync` reduce-scatters the leaves'
 gradients into the shards' gradients, in buckets, launched from a post-accumulate-grad hook as
 soon as a bucket's gradients are complete (overlapped with backward, as DDP does), and frees
@@ -29,7 +29,7 @@ from .grad_sync import param_buckets
 
 @dataclass
 class ZeroParam:
-    """One ZeRO parameter on this rank: its stage, where its shard lives, the shard (a view of
+    """One ZeRO parameter on this rank: its stage, where its shard lives, the shard (a slice of
     the leaf) and the shard's gradient."""
 
     stage: int
@@ -39,9 +39,23 @@ class ZeroParam:
 
 
 def shard_view(leaf: torch.Tensor, shard: ZeroShard, coord: int, n: int) -> torch.Tensor:
-    """This rank's slice (at `coord` of `n` ranks) of `leaf`, a view sharing its storage."""
+    """This rank's slice (at `coord` of `n` ranks) of `leaf`, sharing its memory through a
+    storage of its own that starts where the slice does. (A DTensor takes its local tensor's
+    storage offset for its own, as if it were the same on every rank; a slice at a
+    rank-dependent offset then makes `torch.save` and `copy.deepcopy` of the parameter, its
+    state_dict included, fail on every rank but the first.)"""
     size = leaf.shape[shard.dim] // n
-    return leaf.detach().narrow(shard.dim, coord * size, size)
+    return at_offset_zero(leaf.detach().narrow(shard.dim, coord * size, size))
+
+
+def at_offset_zero(view: torch.Tensor) -> torch.Tensor:
+    """`view` itself when it starts its storage, else a tensor sharing its memory through a
+    storage of its own that starts where `view` does (see `shard_view`)."""
+    if view.storage_offset() == 0:
+        return view
+    storage = view.untyped_storage()[view.storage_offset() * view.element_size():]
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(
+        storage, 0, view.shape, view.stride())
 
 
 def gather_stepped(entries: list[tuple[torch.Tensor, ZeroParam]], groups: list,
