@@ -95,7 +95,9 @@ class ParallelModule:
             # FSDP parameters the plan reshards after forward are gathered again in backward
             with resharding(self._comm) if self.plan.resharded else contextlib.nullcontext():
                 (loss,) = self._programs.train(*self._feed(self._train_inputs, tensors))
-            part = loss.detach() * weights[i]  # (exact for one microbatch: times 1.0)
+            # (exact for one microbatch: times 1.0). A microbatch of weight 0 (all its
+            # targets ignored: its mean is 0 / 0) adds nothing, as in the whole batch's mean.
+            part = loss.detach() * weights[i] if weights[i] else torch.zeros_like(loss.detach())
             total = part if total is None else total + part
             last = i == m - 1
             # the loss value is summed for reporting while the last backward runs (in a

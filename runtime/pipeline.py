@@ -224,7 +224,10 @@ class PipelineModule:
         self._store.push_grads()
         loss = torch.zeros((), dtype=self._loss_dtype, device=self._device)
         if self._coord == self._last_rank:
-            loss = torch.stack([x.detach() for x in losses]).sum() / self._loss.seed
+            # a microbatch of weight 0 (all its targets ignored: its mean is 0 / 0) adds
+            # nothing, as in the whole batch's mean (the schedule keeps microbatch order)
+            loss = torch.stack([x.detach() for x, w in zip(losses, weights) if w] or
+                               [loss]).sum() / self._loss.seed
             for k in self._loss.pending_dims:
                 dist.all_reduce(loss, group=self._comm.groups[k])
         dist.broadcast(loss, src=dist.get_global_rank(self._group, self._last_rank),

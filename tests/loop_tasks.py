@@ -6,6 +6,7 @@ single-device model trained the same way."""
 from __future__ import annotations
 
 import copy
+import io
 
 import torch
 import torch.distributed as dist
@@ -329,10 +330,11 @@ def _sum_loss(output, target):
 def accumulation_weights(mesh_shape, force=None) -> str:
     """Gradient accumulation weights each microbatch's loss as the whole batch's loss
     weighs it: targets padded with ignore_index unevenly over the batch (the mean divides by
-    the targets each microbatch counts), and a loss summed over the batch (weight 1, read
-    from the loss's last op, whatever loss_reduction says). BatchNorm in training mode
+    the targets each microbatch counts; a microbatch counting none adds nothing), and a loss
+    summed over the batch (weight 1, read from the loss's last op, whatever loss_reduction
+    says). BatchNorm in training mode
     cannot be split: asking for microbatches is an error naming it. Returns that error."""
-    pm, ref, loss_fn, x, y = _pair("gpt_padded", mesh_shape, force, microbatches=2)
+    pm, ref, loss_fn, x, y = _pair("gpt_padded", mesh_shape, force, microbatches=4)
     pm.build((x, y))
     check_training(pm, ref, loss_fn, x, y, 2)
     torch.manual_seed(0)
@@ -553,3 +555,34 @@ def reassigned_state(mesh_shape, force=None) -> None:
         pm.zero_grad()
         with torch.no_grad():
             torch.testing.assert_close(pm(x, mask=mask), ref(x, mask=mask), rtol=RTOL, atol=ATOL)
+
+
+def state_snapshot(mesh_shape, force=None) -> None:
+    """A snapshot of the model's and the optimizer's state, kept as a loop keeps its best
+    model (copy.deepcopy, or torch.save to memory), restores both exactly after more steps,
+    on every rank (ZeRO's shards start partway into their whole copies)."""
+    pm, ref, loss_fn, x, y = _pair("mlp", mesh_shape, force)
+    pm.step(x, y)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    opt.step()
+    snap = copy.deepcopy({"model": pm.state_dict(), "optimizer": opt.state_dict()})
+    buffer = io.BytesIO()
+    torch.save(snap, buffer)
+    want = pm.full_parameters()
+    for _ in range(2):
+        pm.zero_grad()
+        pm.step(x, y)
+        opt.step()
+    for restore in (snap, torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)):
+        pm.load_state_dict(restore["model"])
+        opt.load_state_dict(restore["optimizer"])
+        check_equal("parameter", pm.full_parameters(), want)
+    pm.zero_grad()
+    pm.step(x, y)
+    opt.step()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(2):
+        ref_opt.zero_grad()
+        loss_fn(ref(x), y).backward()
+        ref_opt.step()
+    _same_parameters(pm, ref)

@@ -56,11 +56,12 @@ def build(name):
         model = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
                                       n_embd=32))
     elif name == "gpt_padded":  # targets padded with ignore_index, unevenly over the batch
+        # (in 4 microbatches of 2 rows: 19, 21, 0 and 5 targets; the third's mean is 0 / 0)
         model = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4,
                                       n_embd=32))
-        x = torch.randint(0, 64, (4, 16))
-        y = torch.randint(0, 64, (4, 16))
-        for row, kept in enumerate((3, 16, 9, 12)):
+        x = torch.randint(0, 64, (8, 16))
+        y = torch.randint(0, 64, (8, 16))
+        for row, kept in enumerate((3, 16, 9, 12, 0, 0, 5, 0)):
             y[row, kept:] = -100
         return model, zoo.lm_loss, (x, y)
     elif name == "gpt_deep":  # 4 identical blocks: traced once and copied (passes/fold.py)

@@ -156,6 +156,11 @@ def test_state_reassigned_between_steps(world2, force):
     world2.run(loop_tasks.reassigned_state, (2,), force)
 
 
+@pytest.mark.parametrize("force", ["zero1", "zero2", "fsdp"])
+def test_state_snapshot_restores(world2, force):
+    world2.run(loop_tasks.state_snapshot, (2,), force)
+
+
 class _Encoder(torch.nn.Module):
     def __init__(self, center: bool = False):
         super().__init__()
