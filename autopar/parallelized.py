@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate
 
 from autopar.passes import strategies as strat_pass
-from autopar.passes.batch_local import split_problem
+from autopar.passes.batch_local import batch_dims, split_problem
 from autopar.passes.loss_weights import LossWeights, microbatch_weights, of_program
 from autopar.passes.pipeline_split import ValueMeta, layer_blocks, split_stages
 from autopar.passes.recompute_regions import wrap_recomputed
@@ -367,11 +367,15 @@ class Parallelized(nn.Module):
         if placement is not None:
             first = next(iter(graph.nodes[n] for n in program.inputs))
             per_rank = (placement, first.out_shapes[0][0])
+        m = plan.accumulation
+        dims = self._agreed("tracing the model", lambda: batch_dims(trace_at(1), m, program)) \
+            if m > 1 and program.random_ops else {}
         programs = rewrite(program, graph, choice, self._coords, self._comm, per_rank,
                            free_after_forward=frozenset(
                                n for n, name in program.params.items()
                                if name in set(plan.resharded)),
-                           bucket_bytes=self._options.bucket_bytes)
+                           bucket_bytes=self._options.bucket_bytes,
+                           microbatches=(m, dims) if dims else None)
         if programs.train is not None:  # the blocks the plan recomputes run under checkpoint
             # (keeping of the parameters freed after forward only what gathers them again)
             comm = self._comm

@@ -17,12 +17,14 @@ loss so that they add up to the batch's, or refuses.
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.tensor import Shard
 
 from . import strategies
 from .loss_weights import loss_tail, of_program
 from .placement import R, interned, is_partial
-from .trace import TracedProgram
+from .rules.random import RANDOM_OPS
+from .trace import TracedProgram, drawing_ops, source_line
 
 _CACHE: dict[int, tuple[TracedProgram, str]] = {}
 
@@ -47,7 +49,7 @@ def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | Non
                None) if graph is not None else None
     if dim is None:
         graph, dim = strategies.build(program, (m,)), 0
-    why = _mixing(graph, program.inputs, batch, dim, set(loss_tail(program)))
+    why = _propagate(graph, program.inputs, batch, dim, set(loss_tail(program)))[1]
     if len(_CACHE) > 64:
         _CACHE.clear()
     _CACHE[id(program)] = (program, why)
@@ -61,8 +63,26 @@ def split_problem(whole: TracedProgram, m: int, per_rank_inputs: bool = False) -
     (`mixing`). Gradient accumulation and pipeline schedules both split the batch this way."""
     if m <= 1:
         return ""
-    return of_program(whole, per_rank_inputs).exact() or \
+    return of_program(whole, per_rank_inputs).exact() or _unsplit_draws(whole) or \
         mixing(whole, m, next(iter(whole.strategy_graphs.values()), None))
+
+
+# Random ops that can draw the whole batch's numbers in each microbatch (batch_dims)
+_SPLIT_DRAWS = {*RANDOM_OPS, torch.ops.aten.scaled_dot_product_attention.default}
+
+
+def _unsplit_draws(whole: TracedProgram) -> str:
+    """Why the random draws of `whole` cannot be split into microbatches, or "": an op
+    drawing a shape of its own (torch.rand(batch, ...)) cannot draw the whole batch's
+    numbers in each microbatch."""
+    for node in drawing_ops(whole.graph_module):
+        if node.target not in _SPLIT_DRAWS:
+            line = source_line(node)
+            return (f"op {node.target}{f' ({line})' if line else ''} draws random numbers in "
+                    "a shape of its own, which microbatches cannot draw as the whole batch "
+                    "does; draw them with torch.rand_like / randn_like of a tensor that "
+                    "carries the batch")
+    return ""
 
 
 def _local(placements) -> bool:
@@ -71,8 +91,33 @@ def _local(placements) -> bool:
     return not any(is_partial(p) for p in placements)
 
 
-def _mixing(graph: strategies.StrategyGraph, inputs: list[str], batch: int, dim: int,
-            tail: set[str]) -> str:
+def batch_dims(whole: TracedProgram, m: int, program: TracedProgram) -> dict[str, int]:
+    """For each random op of `program` (traced on 1/m of the batch `whole` is traced on,
+    which names its ops alike) whose output carries the batch (a weight's noise does not),
+    the dimension whose m equal blocks are the m microbatches' shares of its whole-batch
+    output. Read from the placements the sharding rules propagate from the batch split m
+    ways (see `mixing`)."""
+    names = [n.name for n in drawing_ops(program.graph_module) if n.target in _SPLIT_DRAWS]
+    first = next((n for n in whole.graph.nodes if whole.inputs and n.name == whole.inputs[0]),
+                 None)
+    shape = tuple(first.meta["val"].shape) if first is not None else ()
+    if not names or not shape or m <= 1:
+        return {}
+    graph = strategies.build(whole, (m,))
+    possible, _ = _propagate(graph, whole.inputs, int(shape[0]), 0, set(loss_tail(whole)))
+    dims = {}
+    for name in names:
+        shards = sorted(p[0].dim for k in (None, 0) for p in possible.get((name, k), ())
+                        if isinstance(p[0], Shard))
+        if shards:
+            dims[name] = shards[0]
+    return dims
+
+
+def _propagate(graph: strategies.StrategyGraph, inputs: list[str], batch: int, dim: int,
+               tail: set[str]) -> tuple[dict, str]:
+    """The placements each value can take with the batch sharded over mesh dimension `dim`
+    and no collective, and the first op that has none (as words; "" when none)."""
     ndim = len(graph.mesh_shape)
     start = interned(tuple(Shard(0) if k == dim else R for k in range(ndim)))
     possible: dict[tuple[str, int | None], set] = {}
@@ -95,14 +140,18 @@ def _mixing(graph: strategies.StrategyGraph, inputs: list[str], batch: int, dim:
                 for k in outs:
                     possible.setdefault((v.name, k), set()).add(s.out(k))
         if not found:
-            where = " in the loss function" if "self.loss_fn(" in v.source else \
-                (f" in module {v.module}" if v.module else "") + \
-                (f" ({v.source})" if v.source else "")
-            if v.replicated_only:
-                return (f"op {v.op}{where} has no sharding rule, so autopar cannot tell "
-                        "whether it keeps the samples of the batch apart")
-            return (f"op {v.op}{where} mixes the samples of the batch (no strategy computes "
-                    "it from each sample's own rows: batch statistics, a comparison of every "
-                    "sample with every other, a shape broadcast across the batch, a mean over "
-                    "the whole batch's targets inside a larger loss)")
-    return ""
+            return possible, _mixing_op(v)
+    return possible, ""
+
+
+def _mixing_op(v) -> str:
+    """Why op `v` mixes the samples of the batch, with where the model makes it."""
+    where = " in the loss function" if "self.loss_fn(" in v.source else \
+        (f" in module {v.module}" if v.module else "") + (f" ({v.source})" if v.source else "")
+    if v.replicated_only:
+        return (f"op {v.op}{where} has no sharding rule, so autopar cannot tell whether it "
+                "keeps the samples of the batch apart")
+    return (f"op {v.op}{where} mixes the samples of the batch (no strategy computes it from "
+            "each sample's own rows: batch statistics, a comparison of every sample with "
+            "every other, a shape broadcast across the batch, a mean over the whole batch's "
+            "targets inside a larger loss)")

@@ -68,7 +68,8 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
             per_rank: tuple[Placements, int] | None = None,
             free_after_forward: frozenset[str] = frozenset(),
             bucket_bytes: float | None = None,
-            stage_of: dict[str, int] | None = None) -> LocalPrograms:
+            stage_of: dict[str, int] | None = None,
+            microbatches: tuple[int, dict[str, int]] | None = None) -> LocalPrograms:
     """Build the local programs for the rank at mesh `coords`. Outputs come back whole; with
     `per_rank` (the placement per-rank inputs arrive in, and the global batch), an output
     whose dimension 0 is the batch comes back as this rank's rows, as its inputs were.
@@ -80,7 +81,10 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
     parameter used in several stages is gathered alone in each. The gathered copies of the
     parameters in `free_after_forward` (graph node names) are marked to be freed after
     forward and gathered again for backward (the runtime's regathering,
-    runtime/regather.py). Buckets hold about `bucket_bytes` (default BUCKET_BYTES)."""
+    runtime/regather.py). Buckets hold about `bucket_bytes` (default BUCKET_BYTES).
+    `microbatches` (m, {op: dimension}): the program runs once per microbatch of a batch m
+    times larger, and these ops' outputs carry the batch on that dimension
+    (passes/batch_local.py batch_dims; random ops then draw the whole batch's tensor)."""
     mesh_shape = graph.mesh_shape
     g = fx.Graph()
     local: dict[tuple[str, Any], fx.Node] = {}  # (node, out index) -> local value node
@@ -194,6 +198,8 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
         call = snode.call
         args, kwargs = _substitute((call.args, call.kwargs), local_inputs)
         ctx = local_context(snode, strat, mesh_shape, coords)
+        if microbatches is not None and node.name in microbatches[1]:
+            ctx = replace(ctx, microbatches=(microbatches[1][node.name], microbatches[0]))
         lower = LOWERINGS.get(node.target) if snode.kind != CONSTANT else None
         target, args, kwargs = lower(call, args, kwargs, ctx) if lower else (
             node.target, args, kwargs)

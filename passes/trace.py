@@ -513,6 +513,11 @@ def trace_example(model: nn.Module, example: tuple, loss_fn=None) -> TracedProgr
 def random_draws(gm: fx.GraphModule) -> list[str]:
     """The ops of `gm` that draw random numbers when run (dropout in training, SDPA with
     dropout_p > 0, rand/randn/bernoulli...), as "op at model line"."""
+    return [f"{node.target} at {source_line(node) or node.name}" for node in drawing_ops(gm)]
+
+
+def drawing_ops(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of `gm` that draw random numbers when run (see `random_draws`)."""
     out = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or not hasattr(node.target, "tags"):
@@ -528,7 +533,7 @@ def random_draws(gm: fx.GraphModule) -> list[str]:
             p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
             if not p:
                 continue
-        out.append(f"{node.target} at {source_line(node) or node.name}")
+        out.append(node)
     return out
 
 

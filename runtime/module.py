@@ -14,6 +14,7 @@ import torch
 
 from autopar.passes.emitted import META_KEY
 from autopar.passes.rewrite import LocalPrograms
+from autopar.passes.rules.random import MICROBATCH
 from autopar.passes.torch_compat import tree_unflatten
 
 from .collectives import MeshComm
@@ -90,8 +91,21 @@ class ParallelModule:
         self._store.refresh()  # ZeRO shards stepped since the last program ran
         self._store.pull_grads()
         m = len(microbatches)
+        # Each microbatch draws what the whole batch draws and keeps its rows (random ops,
+        # passes/rules/random.py): from where the step started, leaving the generator where
+        # one device's whole batch leaves it.
+        rng = _Generator(microbatches[0]) if m > 1 else None
+        try:
+            return self._step(microbatches, weights, rng)
+        finally:
+            MICROBATCH.index = 0
+
+    def _step(self, microbatches, weights, rng) -> torch.Tensor:
+        m = len(microbatches)
         total = None
         for i, tensors in enumerate(microbatches):
+            if rng is not None:
+                rng.at_microbatch(i)
             # FSDP parameters the plan reshards after forward are gathered again in backward
             with resharding(self._comm) if self.plan.resharded else contextlib.nullcontext():
                 (loss,) = self._programs.train(*self._feed(self._train_inputs, tensors))
@@ -109,6 +123,8 @@ class ParallelModule:
             elif last:
                 self._grad_sync.release(report)
             loss.backward(torch.full_like(loss, self._loss.seed * weights[i]))
+            if rng is not None:
+                rng.done(i)
             if not last:
                 self._grad_sync.microbatch_done()
         self._grad_sync.finish()
@@ -122,3 +138,36 @@ class ParallelModule:
         with torch.no_grad():
             flat = self._programs.infer(*self._feed(self._infer_inputs, tensors, True))
         return tree_unflatten(list(flat), self._out_spec)
+
+
+class _Generator:
+    """The default generator of a step's device across its microbatches: each starts where
+    the step did (`at_microbatch`), and after the last it is where the first left it."""
+
+    def __init__(self, tensors: list):
+        self.device = next((t.device for t in tensors if isinstance(t, torch.Tensor)),
+                           torch.device("cpu"))
+        self.start = self._get()
+        self.end = None
+
+    def _get(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" \
+            else torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    def at_microbatch(self, i: int) -> None:
+        """Before microbatch i's forward: the generator where the step started."""
+        MICROBATCH.index = i
+        if i:
+            self._set(self.start)
+
+    def done(self, i: int) -> None:
+        """After microbatch i's backward (a recomputation restores the generator itself)."""
+        if i == 0:
+            self.end = self._get()
+        self._set(self.end)

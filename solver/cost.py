@@ -529,8 +529,9 @@ class CostModel:
 
     def draw_time(self, node: SNode) -> float:
         """Seconds a random op spends drawing: the whole tensor on every rank, whatever the
-        sharding (passes/rules/random.py); 0 for other ops."""
-        n = drawn_elements(node)
+        sharding, and under gradient accumulation the whole batch's in every microbatch
+        (passes/rules/random.py); 0 for other ops."""
+        n = drawn_elements(node) * self.accumulation
         if not n:
             return 0.0
         dtype = self.dtype(node.out_dtypes[0])

@@ -340,11 +340,14 @@ def dropout_equivalence(name, mesh_shape: tuple, force=None, steps: int = 2,
         opt.zero_grad()
         torch.manual_seed(100 + step)
         loss = pm.step(x, y)
+        after = torch.get_rng_state()
         ref_opt.zero_grad()
         torch.manual_seed(100 + step)
         ref_loss = loss_fn(ref(x), y)
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        assert torch.equal(after, torch.get_rng_state()), "the generator is not left as one " \
+            "device leaves it"
         check_equal("gradient", pm.full_grads(), {n: p.grad for n, p in ref_params.items()})
         opt.step()
         ref_opt.step()

@@ -146,6 +146,17 @@ def test_random_ops_two_ranks(world2, force):
     world2.run(rank_tasks.dropout_equivalence, "noisy", (2,), force)
 
 
+@pytest.mark.parametrize("name,force", [("hf_gpt2_dropout", "data"),
+                                        ("hf_gpt2_dropout", "tensor"), ("noisy", "fsdp")])
+def test_random_ops_under_gradient_accumulation(world2, name, force):
+    """Each microbatch draws what the whole batch draws and keeps its rows (dropout, SDPA's
+    dropout, rand_like noise): accumulation over 2 microbatches trains exactly as the whole
+    batch on one device, the generator left where one device leaves it."""
+    plan = world2.run(rank_tasks.dropout_equivalence, name, (2,), force,
+                      options={"microbatches": 2})[0]
+    assert plan["accumulation"] == 2
+
+
 def test_dropout_two_by_two(world4):
     """The same on a 2-D mesh, data parallel by tensor parallel: masks are sliced on both."""
     force = {"dp": "data", "tp": "tensor"}

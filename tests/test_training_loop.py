@@ -202,6 +202,25 @@ def test_accumulation_refused_where_samples_mix(model, loss_fn, where):
     assert per_sample.accumulation == 2
 
 
+class _Noised(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+
+    def forward(self, x):  # noise of a shape of its own: not drawn as the whole batch's
+        return self.a(x) + 0.1 * torch.randn(x.shape[0], 16)
+
+
+def test_accumulation_refused_where_noise_has_a_shape_of_its_own():
+    import autopar
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"microbatches=2: .*randn.default \(File .*torch.randn"
+                                         r"\(x.shape\[0\].* draws random numbers in a shape of "
+                                         "its own"):
+        autopar.plan(_Noised(), autopar.MeshSpec((2,)), (x, y), loss_fn=F.mse_loss,
+                     microbatches=2)
+
+
 def test_planner_never_accumulates_a_loss_that_mixes_samples():
     """Under a budget the whole batch does not fit, the planner would accumulate; a loss
     comparing every sample with every other makes it say why it cannot instead."""

@@ -118,7 +118,7 @@ def _sdpa_rows(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, row_offse
 
 def attention_math_block(q, k, v, mask, dropout_p: float, is_causal: bool, scale,
                          enable_gqa: bool, weights: tuple[int, ...],
-                         block: tuple[tuple[int, int], ...]) -> torch.Tensor:
+                         block: tuple[tuple[int, int], ...], shift=None) -> torch.Tensor:
     """SDPA with dropout on this rank's block `block` ((start, length) per dimension) of the
     attention weights, whose whole shape is `weights` (B, H, L, S).
 
@@ -126,7 +126,9 @@ def attention_math_block(q, k, v, mask, dropout_p: float, is_causal: bool, scale
     SDPA runs on a CPU when dropout_p > 0) computes it, except that the dropout mask is the
     block of one drawn for the whole weights, as the single-device kernel draws it
     (`aten.dropout` of the contiguous weights). On a CPU the result is the block of the
-    single-device result (tests/test_rules.py checks it against the op bit for bit)."""
+    single-device result (tests/test_rules.py checks it against the op bit for bit). Under
+    gradient accumulation `weights` are the whole batch's and `shift` moves the block to the
+    running microbatch's rows (passes/rules/random.py)."""
     origin = q.dtype
     if mask is not None and mask.dtype == torch.bool:  # additive, in the input's dtype
         mask = _additive(mask, origin)
@@ -147,7 +149,7 @@ def attention_math_block(q, k, v, mask, dropout_p: float, is_causal: bool, scale
         attn = attn + mask
     attn = aten._safe_softmax(attn, -1)
     contiguous = tuple(math.prod(weights[i + 1:]) for i in range(len(weights)))
-    attn = dropout_block(attn, dropout_p, weights, contiguous, block)
+    attn = dropout_block(attn, dropout_p, weights, contiguous, block, shift)
     return torch.matmul(attn, v).to(origin)
 
 
@@ -174,10 +176,15 @@ def lower_sdpa(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
         S = call.inputs[1].shape[-2]
         block = tuple(local_slices((B, H, L, S), ctx.out_placements, ctx.mesh_shape,
                                    ctx.coords))
-        if any(length != size for (_, length), size in zip(block, (B, H, L, S))):
+        weights, shift = (B, H, L, S), None
+        if ctx.microbatches is not None and ctx.microbatches[0] < 2:  # batch or heads
+            d, m = ctx.microbatches  # the whole batch's weights, this microbatch's rows
+            weights = tuple(n * m if k == d else n for k, n in enumerate(weights))
+            shift = (d, (B, H)[d])
+        if shift or any(length != size for (_, length), size in zip(block, (B, H, L, S))):
             return attention_math_block, (
                 args[0], args[1], args[2], get(3, "attn_mask", None), p, is_causal,
-                get(6, "scale", None), get(7, "enable_gqa", False), (B, H, L, S), block), {}
+                get(6, "scale", None), get(7, "enable_gqa", False), weights, block, shift), {}
     if not is_causal or not any(isinstance(p, Shard) and p.dim == 2 for p in q_place):
         return call.target, args, kwargs
     row_start, _ = local_slices(q.shape, q_place, ctx.mesh_shape, ctx.coords)[2]

@@ -15,6 +15,13 @@ op draws nothing and is linear (dropout in eval mode or with p = 0 or 1). The op
 their input's shape (rand_like, randn_like, randint_like, bernoulli with a scalar probability)
 also take a pending sum as their input.
 
+Gradient accumulation runs a program traced on one of m microbatches m times. There a random
+op whose output carries the batch (`LocalContext.microbatches`: on which dimension) draws the
+whole batch's tensor and keeps its block of the microbatch the runtime runs now
+(`MICROBATCH.index`), and the runtime puts the generator back where the step started before
+each microbatch and where the first one left it after the last: every microbatch draws what
+the whole batch draws, as one device running the whole batch does, and keeps its rows.
+
 Cost (solver/cost.py, solver/memory.py): the draw is of the whole tensor on every rank whatever
 the sharding; what backward keeps is the local block of the mask.
 """
@@ -50,7 +57,18 @@ RANDOM_OPS = [DROPOUT, NATIVE_DROPOUT, *DRAWN_LIKE]
 # `empty_like(input).bernoulli_(1 - p).div_(1 - p)`.
 FUSED_DROPOUT_DEVICES = ("cuda", "xpu", "lazy", "privateuseone")
 
-__all__ = ["DRAWN_LIKE", "RANDOM_OPS", "dropout_draws"]
+__all__ = ["DRAWN_LIKE", "MICROBATCH", "RANDOM_OPS", "dropout_draws"]
+
+
+class MicrobatchIndex:
+    """The microbatch of a step the programs run now (the runtime sets `index` before each
+    microbatch's forward; 0 outside gradient accumulation)."""
+
+    def __init__(self):
+        self.index = 0
+
+
+MICROBATCH = MicrobatchIndex()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,6 +167,36 @@ def _stand_in(like: torch.Tensor, shape: tuple[int, ...], layout: tuple[int, ...
     return torch.empty_strided(shape, layout, dtype=like.dtype, device=like.device)
 
 
+def _whole_batch(call: OpCall, ctx: LocalContext):
+    """(shape, layout, block, shift) of the draw: the input's whole shape and the
+    single-device layout, this rank's block of the output, and under gradient accumulation
+    (dimension, rows of a microbatch): the shape and layout are the whole batch's, the block
+    is moved by the rows of the microbatches before the one running (`_shifted`)."""
+    x = call.inputs[0]
+    block = _block(call, ctx)
+    if ctx.microbatches is None:
+        return x.shape, _layout(x), block, None
+    d, m = ctx.microbatches
+    shape = tuple(s * m if k == d else s for k, s in enumerate(x.shape))
+    order = sorted(range(x.ndim), key=lambda k: _layout(x)[k])  # innermost first
+    layout, step = [0] * x.ndim, 1
+    for k in order:  # the whole batch in the input's memory order
+        layout[k] = step
+        step *= shape[k]
+    return shape, tuple(layout), block, (d, x.shape[d])
+
+
+def _shifted(block: tuple[tuple[int, int], ...], shift: tuple[int, int] | None
+             ) -> tuple[tuple[int, int], ...]:
+    """`block` within the whole batch's draw: on the batch's dimension, after the rows of the
+    microbatches before the one running."""
+    if shift is None:
+        return block
+    d, rows = shift
+    return tuple((start + MICROBATCH.index * rows, n) if k == d else (start, n)
+                 for k, (start, n) in enumerate(block))
+
+
 def _take(whole: torch.Tensor, block: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """This rank's block of a whole draw, in storage of its own (so the whole draw is freed
     once this op has run: autograd keeps only the block)."""
@@ -199,8 +247,10 @@ class _MaskAndScale(torch.autograd.Function):
 
 
 def dropout_block(x: torch.Tensor, p: float, shape: tuple[int, ...], layout: tuple[int, ...],
-                  block: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    """aten.dropout(x, p, train=True) of this rank's block `x` of the whole input."""
+                  block: tuple[tuple[int, int], ...], shift=None) -> torch.Tensor:
+    """aten.dropout(x, p, train=True) of this rank's block `x` of the whole input (`shift`:
+    see `_whole_batch`)."""
+    block = _shifted(block, shift)
     if _fused(x):
         _, mask = aten.native_dropout(_stand_in(x, shape, layout), p, True)
         return _MaskAndScale.apply(x, _take(mask, block), p, _scale(p))
@@ -210,20 +260,21 @@ def dropout_block(x: torch.Tensor, p: float, shape: tuple[int, ...], layout: tup
 
 def native_dropout_block(x: torch.Tensor, p: float, train: bool | None,
                          shape: tuple[int, ...], layout: tuple[int, ...],
-                         block: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                         block: tuple[tuple[int, int], ...], shift=None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """aten.native_dropout(x, p, train) of this rank's block `x` of the whole input."""
     _, mask = aten.native_dropout(_stand_in(x, shape, layout), p, train)
-    mask = _take(mask, block)
+    mask = _take(mask, _shifted(block, shift))
     # native_dropout's derivative scales by 1, not 1 / (1 - p), when train is None (it reads
     # "not train.has_value() or not train" as eval mode); the single-device gradient does too.
     return _MaskAndScale.apply(x, mask, p, 1.0 if train is None else _scale(p)), mask
 
 
 def drawn_like_block(op, x: torch.Tensor, args: tuple, kwargs: dict, shape: tuple[int, ...],
-                     layout: tuple[int, ...], block: tuple[tuple[int, int], ...]
-                     ) -> torch.Tensor:
+                     layout: tuple[int, ...], block: tuple[tuple[int, int], ...],
+                     shift=None) -> torch.Tensor:
     """`op(x, *args, **kwargs)` (rand_like and the like) of this rank's block `x`."""
-    return _take(op(_stand_in(x, shape, layout), *args, **kwargs), block)
+    return _take(op(_stand_in(x, shape, layout), *args, **kwargs), _shifted(block, shift))
 
 
 # Where the op draws, the lowering draws from a stand-in even when the rank holds the whole
@@ -236,9 +287,8 @@ def lower_dropout(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
     the unchanged op where nothing is drawn."""
     if not dropout_draws(call):
         return call.target, args, kwargs
-    x = call.inputs[0]
     head = (args[0] if args else kwargs["input"], float(call.arg(1, "p")))
-    tail = (x.shape, _layout(x), _block(call, ctx))
+    tail = _whole_batch(call, ctx)
     if call.target == NATIVE_DROPOUT:
         return native_dropout_block, (*head, call.arg(2, "train", None), *tail), {}
     return dropout_block, (*head, *tail), {}
@@ -247,6 +297,5 @@ def lower_dropout(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
 @lowering(*DRAWN_LIKE)
 def lower_drawn_like(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
     """Draw the whole tensor from a stand-in of the whole input, keep the block."""
-    x = call.inputs[0]
-    return drawn_like_block, (call.target, args[0], tuple(args[1:]), dict(kwargs), x.shape,
-                              _layout(x), _block(call, ctx)), {}
+    return drawn_like_block, (call.target, args[0], tuple(args[1:]), dict(kwargs),
+                              *_whole_batch(call, ctx)), {}

@@ -99,6 +99,10 @@ class LocalContext:
     in_placements: tuple[tuple[Placement, ...], ...]
     out_placements: Any
     local_out_shapes: list[tuple[int, ...]]
+    # (dimension, m): the program runs once per microbatch of a batch m times larger, and
+    # this op's output carries the batch on that dimension (random ops draw the whole batch's
+    # tensor; passes/rules/random.py). None: the program runs on the whole batch.
+    microbatches: tuple[int, int] | None = None
 
 
 # A lowering returns (callable, args, kwargs) for the local op; args may hold the local input nodes.
