@@ -653,9 +653,17 @@ class Parallelized(nn.Module):
         dims = [k for k in range(mesh.ndim) if k != pp]
         sub_coords = tuple(coords[k] for k in dims) or (0,)
         comm = SubmeshComm([mesh.get_group(k) for k in dims] or [None], sub.shape)
+        m = pipe.microbatches
+        batch_of_draws = {}
+        if program.random_ops:  # each microbatch draws the whole batch's numbers (any m:
+            # SDPA's dropout then runs as autopar's math kernel, whose draws a rank replays)
+            batch = pipe.batch_size
+            k = m if m > 1 else next((d for d in range(2, batch + 1) if batch % d == 0), 1)
+            batch_of_draws = self._agreed("tracing the model",
+                                          lambda: batch_dims(tracer(1), k, program))
         programs = rewrite(program, graph, choice, sub_coords, comm,
-                           bucket_bytes=self._options.bucket_bytes,
-                           stage_of=stage_of)
+                           bucket_bytes=self._options.bucket_bytes, stage_of=stage_of,
+                           microbatches=(m, batch_of_draws) if batch_of_draws else None)
         kinds = {name: v.kind for name, v in graph.nodes.items()}
         train = split_stages(programs.train, graph, stage_of, kinds, pipe.num_stages)
         infer = split_stages(programs.infer, graph, stage_of, kinds, pipe.num_stages)

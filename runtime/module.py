@@ -18,6 +18,7 @@ from autopar.passes.rules.random import MICROBATCH
 from autopar.passes.torch_compat import tree_unflatten
 
 from .collectives import MeshComm
+from .generator import generator_state, set_generator_state
 from .grad_sync import GradSync, PendingSum
 from .loss import loss_seeding
 from .params import ParameterStore
@@ -147,27 +148,17 @@ class _Generator:
     def __init__(self, tensors: list):
         self.device = next((t.device for t in tensors if isinstance(t, torch.Tensor)),
                            torch.device("cpu"))
-        self.start = self._get()
+        self.start = generator_state(self.device)
         self.end = None
-
-    def _get(self) -> torch.Tensor:
-        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" \
-            else torch.get_rng_state()
-
-    def _set(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
 
     def at_microbatch(self, i: int) -> None:
         """Before microbatch i's forward: the generator where the step started."""
         MICROBATCH.index = i
         if i:
-            self._set(self.start)
+            set_generator_state(self.device, self.start)
 
     def done(self, i: int) -> None:
         """After microbatch i's backward (a recomputation restores the generator itself)."""
         if i == 0:
-            self.end = self._get()
-        self._set(self.end)
+            self.end = generator_state(self.device)
+        set_generator_state(self.device, self.end)

@@ -34,9 +34,11 @@ from autopar.passes import torch_compat
 from autopar.passes.loss_weights import LossWeights
 from autopar.passes.pipeline_split import StageProgram, ValueMeta
 from autopar.passes.placement import local_shape
+from autopar.passes.rules.random import MICROBATCH, draws_of, replay
 
 from .collectives import MeshComm
 from .flat import flatten, unflatten, write_grads
+from .generator import generator_state, set_generator_state
 from .grad_sync import sum_grads
 from .loss import loss_seeding
 from .params import ParameterStore
@@ -73,8 +75,9 @@ class _StageModule(nn.Module):
 
     def __init__(self, program: StageProgram, params: dict[str, nn.Parameter],
                  constants: dict[str, torch.Tensor], scalar_output: bool, sink=None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, before=None):
         super().__init__()
+        self._before = before  # called with the stage's index before each microbatch
         self._dtype = compute_dtype  # mixed precision: weights cast to it for the program
         self.program = program.module
         self.weights = nn.ParameterList([params[n] for n in program.params])
@@ -83,8 +86,11 @@ class _StageModule(nn.Module):
         self._first = program.index == 0
         self._scalar = scalar_output
         self._sink = sink
+        self._index = program.index
 
     def forward(self, *received, **inputs):
+        if self._before is not None:
+            self._before(self._index)
         if self._first:  # the first stage's positional arguments are the model inputs
             received = ()
         weights = [w.to(self._dtype) if self._dtype is not None and w.is_floating_point()
@@ -162,6 +168,25 @@ class PipelineModule:
         def loss_fn(output, weight):  # the schedule hands each microbatch its weight's chunk
             return output * (weight.sum() * seed)
 
+        # Random draws: each stage draws, for every microbatch, what the whole batch draws in
+        # it on one device (passes/rules/random.py), from the generator state one device
+        # reaches at the stage's first op; every rank moves its generator past the other
+        # stages' draws (`_start_draws`), and leaves it where one device's step does.
+        self._draws = {}
+        for kind, programs in (("train", train), ("infer", infer)):
+            self._draws[kind] = []
+            for prog in programs:
+                nodes, why = draws_of(prog.module)
+                if why:
+                    raise ValueError(f"pipeline stage {prog.index}: {why}, which a pipeline "
+                                     "cannot draw as one device does; plan without a pp "
+                                     "mesh dimension, or draw such noise with rand_like of a "
+                                     "tensor that carries the batch")
+                self._draws[kind].append(nodes)
+        self._starts: dict[int, torch.Tensor] | None = None
+        self._count: dict[int, int] = {}
+        self._end: torch.Tensor | None = None
+
         root = tuple(meta.empty() for meta in root_inputs)
         train_stages = [self._stage(train[s], by_placeholder, constants, root, True, num_stages)
                         for s in self._local]
@@ -183,13 +208,46 @@ class PipelineModule:
         last = program.index == num_stages - 1
         sink = self._sink if last and not train else None
         module = _StageModule(program, params, constants, last and train, sink,
-                              self._compute_dtype)
+                              self._compute_dtype, self._before_microbatch)
         inputs = root if program.index == 0 else tuple(m.empty() for m in program.received)
         outputs = tuple(m.empty() for m in program.sent)
         if last and train:
             outputs = outputs[0]
         return PipelineStage(module, program.index, num_stages, self._device,
                              input_args=inputs, output_args=outputs, group=self._group)
+
+    # -- random draws --------------------------------------------------------------------------
+    def _start_draws(self, kind: str) -> None:
+        """Before a schedule runs: the generator state one device has at each of this rank's
+        stages (moving past the draws of the stages before, in order) and at the step's end."""
+        draws = self._draws[kind]
+        if not any(draws):
+            self._starts = None
+            return
+        start = generator_state(self._device)
+        self._starts, self._count = {}, {s: 0 for s in self._local}
+        for s, nodes in enumerate(draws):
+            if s in self._count:
+                self._starts[s] = generator_state(self._device)
+            for node in nodes:
+                replay(node, self._device)
+        self._end = generator_state(self._device)
+        set_generator_state(self._device, start)
+
+    def _before_microbatch(self, stage: int) -> None:
+        """Before stage `stage` runs its next microbatch: the generator where one device's
+        whole batch is at the stage, and the microbatch's index for its draws' rows."""
+        if self._starts is None:
+            return
+        set_generator_state(self._device, self._starts[stage])
+        MICROBATCH.index = self._count[stage]
+        self._count[stage] += 1
+
+    def _end_draws(self) -> None:
+        if self._starts is not None:
+            set_generator_state(self._device, self._end)
+        self._starts = None
+        MICROBATCH.index = 0
 
     # -- running -------------------------------------------------------------------------------
     def check(self, inputs: tuple) -> str | None:
@@ -215,9 +273,13 @@ class PipelineModule:
         first = tuple(inputs) if 0 in self._local else ()
         losses: list = []
         self._store.pull_grads()
-        self._train.step(*first, target=torch.tensor(weights, dtype=self._loss_dtype,
-                                                     device=self._device),
-                         losses=losses, return_outputs=False, **feeds)
+        self._start_draws("train")
+        try:
+            self._train.step(*first, target=torch.tensor(weights, dtype=self._loss_dtype,
+                                                         device=self._device),
+                             losses=losses, return_outputs=False, **feeds)
+        finally:
+            self._end_draws()
         for k, params in self._replicated:
             sum_grads(params, self._comm.groups[k])
         self._sync_shared()
@@ -284,8 +346,12 @@ class PipelineModule:
         feeds = dict(zip(self._input_names, inputs))
         first = tuple(inputs) if 0 in self._local else ()
         self._sink.clear()
-        with torch.no_grad():
-            self._infer.step(*first, return_outputs=False, **feeds)
+        self._start_draws("infer")
+        try:
+            with torch.no_grad():
+                self._infer.step(*first, return_outputs=False, **feeds)
+        finally:
+            self._end_draws()
         m = self._pipe.microbatches
         outs = []
         for i, meta in enumerate(self._outputs):

@@ -196,11 +196,14 @@ def check_training(pm, ref, loss_fn, x, y, steps: int) -> None:
         opt.zero_grad()
         torch.manual_seed(100 + step)
         loss = pm.step(x, y)
+        after = torch.get_rng_state()
         ref_opt.zero_grad()
         torch.manual_seed(100 + step)
         ref_loss = loss_fn(ref(x), y)
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        assert torch.equal(after, torch.get_rng_state()), "the generator is not left as one " \
+            "device leaves it"
         if step == 0:
             check_equal("gradient", pm.full_grads(), grads_of(ref_params))
         opt.step()

@@ -548,6 +548,8 @@ EQUIVALENCE = [
                                         "force": {"dp": "fsdp"}, "bucket_bytes": 4096}),
     # 3-D: pp x dp x tp (dp of size 1 on 4 ranks), tensor parallel inside each stage
     ("gpt", (2, 1, 2), ("pp", "dp", "tp"), {"microbatches": 2, "force": {"tp": "tensor"}}),
+    # dropout (embedding, residual, SDPA's): every stage draws what one device draws there
+    ("hf_gpt2_dropout", (2,), ("pp",), {"microbatches": 2, "schedule": "1f1b"}),
     # a plan made by autopar.plan, saved and loaded, then run
     ("gpt", (2,), ("pp",), {"microbatches": 4, "schedule": "gpipe", "given_plan": True}),
 ]

@@ -156,7 +156,7 @@ def test_state_reassigned_between_steps(world2, force):
     world2.run(loop_tasks.reassigned_state, (2,), force)
 
 
-@pytest.mark.parametrize("force", ["zero1", "zero2", "fsdp"])
+@pytest.mark.parametrize("force", ["zero1", "zero2"])
 def test_state_snapshot_restores(world2, force):
     world2.run(loop_tasks.state_snapshot, (2,), force)
 

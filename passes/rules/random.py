@@ -28,9 +28,13 @@ the sharding; what backward keeps is the local block of the mask.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..emitted import META_KEY
 from ..placement import local_slices
+from ..torch_compat import tree_leaves
 from .registry import (
     SAVES_NOTHING,
     LocalContext,
@@ -57,7 +61,7 @@ RANDOM_OPS = [DROPOUT, NATIVE_DROPOUT, *DRAWN_LIKE]
 # `empty_like(input).bernoulli_(1 - p).div_(1 - p)`.
 FUSED_DROPOUT_DEVICES = ("cuda", "xpu", "lazy", "privateuseone")
 
-__all__ = ["DRAWN_LIKE", "MICROBATCH", "RANDOM_OPS", "dropout_draws"]
+__all__ = ["DRAWN_LIKE", "MICROBATCH", "RANDOM_OPS", "draws_of", "dropout_draws", "replay"]
 
 
 class MicrobatchIndex:
@@ -299,3 +303,77 @@ def lower_drawn_like(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext)
     """Draw the whole tensor from a stand-in of the whole input, keep the block."""
     return drawn_like_block, (call.target, args[0], tuple(args[1:]), dict(kwargs),
                               *_whole_batch(call, ctx)), {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Replays: move a generator past the draws of programs another rank runs (pipeline stages)
+# ---------------------------------------------------------------------------------------------
+
+def _input_dtype(node, i: int) -> torch.dtype | None:
+    arg = node.args[i] if i < len(node.args) else None
+    record = getattr(arg, "meta", {}).get(META_KEY)
+    return getattr(record, "dtype", None)
+
+
+def _replay_dropout(node, device) -> None:
+    p, shape, layout = node.args[1:4]
+    like = torch.empty(0, dtype=_input_dtype(node, 0), device=device)
+    if _fused(like):
+        aten.native_dropout(_stand_in(like, shape, layout), p, True)
+    else:
+        _stand_in(like, shape, layout).bernoulli_(1 - p)
+
+
+def _replay_native_dropout(node, device) -> None:
+    _, p, train, shape, layout = node.args[:5]
+    like = torch.empty(0, dtype=_input_dtype(node, 0), device=device)
+    aten.native_dropout(_stand_in(like, shape, layout), p, train)
+
+
+def _replay_drawn_like(node, device) -> None:
+    op, _, args, kwargs, shape, layout = node.args[:6]
+    like = torch.empty(0, dtype=_input_dtype(node, 1), device=device)
+    op(_stand_in(like, shape, layout), *args, **kwargs)
+
+
+def _replay_attention(node, device) -> None:
+    p, weights = node.args[4], node.args[8]
+    dtype = _input_dtype(node, 0)
+    dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    like = torch.empty(0, dtype=dtype, device=device)
+    contiguous = tuple(math.prod(weights[i + 1:]) for i in range(len(weights)))
+    if _fused(like):
+        aten.native_dropout(_stand_in(like, weights, contiguous), p, True)
+    else:
+        _stand_in(like, weights, contiguous).bernoulli_(1 - p)
+
+
+def _replays() -> dict:
+    """Lowered random op -> (its replay, the first of its arguments that must be fixed)."""
+    from .attention import attention_math_block  # (attention.py imports this module)
+    return {dropout_block: (_replay_dropout, 1), native_dropout_block: (_replay_native_dropout, 1),
+            drawn_like_block: (_replay_drawn_like, 2), attention_math_block: (_replay_attention, 4)}
+
+
+def draws_of(gm) -> tuple[list, str]:
+    """The nodes of a rank's program (lowered) that draw random numbers, in the order they
+    run, and "" or why one of them cannot be replayed (`replay`): an op drawing as the
+    single-device op does (SDPA's own kernel, noise of a shape of its own)."""
+    replays, out = _replays(), []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in replays:
+            fixed = replays[node.target][1]
+            if any(isinstance(a, torch.fx.Node) for a in tree_leaves(node.args[fixed:])):
+                return out, f"{node.name} draws with arguments computed at run time"
+            out.append(node)
+        elif torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            return out, f"{node.target} draws random numbers of a shape of its own"
+    return out, ""
+
+
+def replay(node, device: torch.device) -> None:
+    """Draw from `device`'s default generator what `node` (of `draws_of`) draws when it runs,
+    discarding the numbers: the generator moves on exactly as the op moves it."""
+    _replays()[node.target][0](node, device)
