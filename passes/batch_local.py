@@ -67,8 +67,10 @@ def split_problem(whole: TracedProgram, m: int, per_rank_inputs: bool = False) -
         mixing(whole, m, next(iter(whole.strategy_graphs.values()), None))
 
 
-# Random ops that can draw the whole batch's numbers in each microbatch (batch_dims)
-_SPLIT_DRAWS = {*RANDOM_OPS, torch.ops.aten.scaled_dot_product_attention.default}
+# Random ops that can draw the whole batch's numbers in each microbatch (batch_dims);
+# attention draws over its weights (B, H, L, S), which share the output's first 3 dimensions
+_ATTENTION = {torch.ops.aten.scaled_dot_product_attention.default}
+_SPLIT_DRAWS = {*RANDOM_OPS, *_ATTENTION}
 
 
 def _unsplit_draws(whole: TracedProgram) -> str:
@@ -105,13 +107,28 @@ def batch_dims(whole: TracedProgram, m: int, program: TracedProgram) -> dict[str
         return {}
     graph = strategies.build(whole, (m,))
     possible, _ = _propagate(graph, whole.inputs, int(shape[0]), 0, set(loss_tail(whole)))
-    dims = {}
-    for name in names:
-        shards = sorted(p[0].dim for k in (None, 0) for p in possible.get((name, k), ())
-                        if isinstance(p[0], Shard))
+    dims, at = {}, {n.name: n for n in whole.graph.nodes}
+    for node in (n for n in program.graph.nodes if n.name in names):
+        shards = sorted(p[0].dim for k in (None, 0) for p in possible.get((node.name, k), ())
+                        if isinstance(p[0], Shard) and (p[0].dim < 3 or node.target
+                                                        not in _ATTENTION))
         if shards:
-            dims[name] = shards[0]
+            dims[node.name] = shards[0]
+        elif node.name not in at or _shape(at[node.name]) != _shape(node):
+            line = source_line(node)
+            raise ValueError(
+                f"op {node.target}{f' ({line})' if line else ''} draws random numbers over "
+                "the batch in a shape autopar cannot relate to the batch's samples, so "
+                f"{m} microbatches cannot draw what the whole batch draws; draw them with "
+                "torch.rand_like / randn_like of a tensor that carries the batch, or pass "
+                "microbatches=1")
     return dims
+
+
+def _shape(node) -> tuple:
+    val = node.meta.get("val")
+    val = val[0] if isinstance(val, (tuple, list)) else val
+    return tuple(getattr(val, "shape", ()))
 
 
 def _propagate(graph: strategies.StrategyGraph, inputs: list[str], batch: int, dim: int,

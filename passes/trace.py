@@ -518,25 +518,22 @@ def random_draws(gm: fx.GraphModule) -> list[str]:
 
 def drawing_ops(gm: fx.GraphModule) -> list[fx.Node]:
     """The nodes of `gm` that draw random numbers when run (see `random_draws`)."""
-    out = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not hasattr(node.target, "tags"):
-            continue
-        if torch.Tag.nondeterministic_seeded not in node.target.tags:
-            continue
-        packet = node.target.overloadpacket
-        if packet in (torch.ops.aten.dropout, torch.ops.aten.native_dropout):
-            p, train = (list(node.args[1:3]) + [True])[:2]
-            if not train or not p:
-                continue
-        if packet is torch.ops.aten.scaled_dot_product_attention:
-            p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-            if not p:
-                continue
-        out.append(node)
-    return out
+    return [node for node in gm.graph.nodes if draws_random(node)]
 
 
+def draws_random(node: fx.Node) -> bool:
+    """Whether `node` draws random numbers when run: an op torch tags as seeded, except
+    dropout that does not train or has p = 0 and SDPA with dropout_p = 0."""
+    if node.op != "call_function" or \
+            torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    packet = node.target.overloadpacket
+    if packet in (torch.ops.aten.dropout, torch.ops.aten.native_dropout):
+        p, train = (list(node.args[1:3]) + [True])[:2]
+        return bool(train and p)
+    if packet is torch.ops.aten.scaled_dot_product_attention:
+        return bool(node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0))
+    return True
 
 
 def untraced_hooks(model: nn.Module) -> str | None:

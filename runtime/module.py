@@ -98,6 +98,10 @@ class ParallelModule:
         rng = _Generator(microbatches[0]) if m > 1 else None
         try:
             return self._step(microbatches, weights, rng)
+        except BaseException:
+            if rng is not None:  # a failed step leaves the generator where it began
+                set_generator_state(rng.device, rng.start)
+            raise
         finally:
             MICROBATCH.index = 0
 

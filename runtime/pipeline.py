@@ -239,6 +239,8 @@ class PipelineModule:
         whole batch is at the stage, and the microbatch's index for its draws' rows."""
         if self._starts is None:
             return
+        if self._count[stage] >= self._pipe.microbatches:  # each forward once, in order
+            raise RuntimeError(f"pipeline stage {stage} ran more forwards than microbatches")
         set_generator_state(self._device, self._starts[stage])
         MICROBATCH.index = self._count[stage]
         self._count[stage] += 1

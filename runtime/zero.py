@@ -40,7 +40,7 @@ class ZeroParam:
 
 def shard_view(leaf: torch.Tensor, shard: ZeroShard, coord: int, n: int) -> torch.Tensor:
     """This rank's slice (at `coord` of `n` ranks) of `leaf`, sharing its memory through a
-    storage of its own that starts where the slice does. (A DTensor takes its local tensor's
+    storage of its own that spans the slice. (A DTensor takes its local tensor's
     storage offset for its own, as if it were the same on every rank; a slice at a
     rank-dependent offset then makes `torch.save` and `copy.deepcopy` of the parameter, its
     state_dict included, fail on every rank but the first.)"""
@@ -49,11 +49,15 @@ def shard_view(leaf: torch.Tensor, shard: ZeroShard, coord: int, n: int) -> torc
 
 
 def at_offset_zero(view: torch.Tensor) -> torch.Tensor:
-    """`view` itself when it starts its storage, else a tensor sharing its memory through a
-    storage of its own that starts where `view` does (see `shard_view`)."""
-    if view.storage_offset() == 0:
+    """`view` itself when its storage holds just it, else a tensor sharing its memory
+    through a storage of its own that spans exactly the elements `view` reaches (see
+    `shard_view`; saving it then writes this rank's slice alone)."""
+    extent = 1 + sum((n - 1) * s for n, s in zip(view.shape, view.stride())) \
+        if view.numel() else 0
+    start, size = view.storage_offset() * view.element_size(), view.element_size()
+    if start == 0 and view.untyped_storage().nbytes() == extent * size:
         return view
-    storage = view.untyped_storage()[view.storage_offset() * view.element_size():]
+    storage = view.untyped_storage()[start:start + extent * size]
     return torch.empty(0, dtype=view.dtype, device=view.device).set_(
         storage, 0, view.shape, view.stride())
 

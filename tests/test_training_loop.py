@@ -221,6 +221,21 @@ def test_accumulation_refused_where_noise_has_a_shape_of_its_own():
                      microbatches=2)
 
 
+class _Gated(_Noised):
+    def forward(self, x):  # a gate per sample, drawn on a tensor of its own
+        return self.a(x) * torch.zeros(x.shape[0], 1).bernoulli(0.9)
+
+
+def test_microbatches_refuse_draws_they_cannot_relate_to_the_batch():
+    from autopar.passes.batch_local import batch_dims
+    from autopar.passes.trace import trace
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    whole, half = (trace(_Gated(), (x[:n],), F.mse_loss, y[:n]) for n in (8, 4))
+    with pytest.raises(ValueError, match=r"bernoulli.p \(File .*bernoulli\(0.9\)\) draws random "
+                                         "numbers over the batch"):
+        batch_dims(whole, 2, half)
+
+
 def test_planner_never_accumulates_a_loss_that_mixes_samples():
     """Under a budget the whole batch does not fit, the planner would accumulate; a loss
     comparing every sample with every other makes it say why it cannot instead."""

@@ -177,10 +177,10 @@ def lower_sdpa(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
         block = tuple(local_slices((B, H, L, S), ctx.out_placements, ctx.mesh_shape,
                                    ctx.coords))
         weights, shift = (B, H, L, S), None
-        if ctx.microbatches is not None and ctx.microbatches[0] < 2:  # batch or heads
-            d, m = ctx.microbatches  # the whole batch's weights, this microbatch's rows
+        if ctx.microbatches is not None:  # the whole batch's weights, this microbatch's rows
+            d, m = ctx.microbatches  # (of the output (B, H, L, E): the weights' first three)
             weights = tuple(n * m if k == d else n for k, n in enumerate(weights))
-            shift = (d, (B, H)[d])
+            shift = (d, (B, H, L)[d])
         if shift or any(length != size for (_, length), size in zip(block, (B, H, L, S))):
             return attention_math_block, (
                 args[0], args[1], args[2], get(3, "attn_mask", None), p, is_causal,

@@ -29,12 +29,14 @@ the sharding; what backward keeps is the local block of the mask.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
 from ..emitted import META_KEY
 from ..placement import local_slices
 from ..torch_compat import tree_leaves
+from ..trace import draws_random, source_line
 from .registry import (
     SAVES_NOTHING,
     LocalContext,
@@ -309,15 +311,20 @@ def lower_drawn_like(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext)
 # Replays: move a generator past the draws of programs another rank runs (pipeline stages)
 # ---------------------------------------------------------------------------------------------
 
-def _input_dtype(node, i: int) -> torch.dtype | None:
-    arg = node.args[i] if i < len(node.args) else None
-    record = getattr(arg, "meta", {}).get(META_KEY)
-    return getattr(record, "dtype", None)
+def _drawn_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The dtype of what a lowered random op returns, which is its input's (rand_like with a
+    dtype= of its own passes it on): from the rewrite's record of it, or of its first output
+    (native_dropout returns two)."""
+    for n in (node, *(u for u in node.users if u.target is operator.getitem and u.args[1] == 0)):
+        record = n.meta.get(META_KEY)
+        if getattr(record, "dtype", None) is not None:
+            return record.dtype
+    return None
 
 
 def _replay_dropout(node, device) -> None:
     p, shape, layout = node.args[1:4]
-    like = torch.empty(0, dtype=_input_dtype(node, 0), device=device)
+    like = torch.empty(0, dtype=_drawn_dtype(node), device=device)
     if _fused(like):
         aten.native_dropout(_stand_in(like, shape, layout), p, True)
     else:
@@ -326,19 +333,20 @@ def _replay_dropout(node, device) -> None:
 
 def _replay_native_dropout(node, device) -> None:
     _, p, train, shape, layout = node.args[:5]
-    like = torch.empty(0, dtype=_input_dtype(node, 0), device=device)
+    like = torch.empty(0, dtype=_drawn_dtype(node), device=device)
     aten.native_dropout(_stand_in(like, shape, layout), p, train)
 
 
 def _replay_drawn_like(node, device) -> None:
     op, _, args, kwargs, shape, layout = node.args[:6]
-    like = torch.empty(0, dtype=_input_dtype(node, 1), device=device)
+    dtype = _drawn_dtype(node) if "dtype" not in kwargs else None  # (else: the input's)
+    like = torch.empty(0, dtype=dtype, device=device)
     op(_stand_in(like, shape, layout), *args, **kwargs)
 
 
 def _replay_attention(node, device) -> None:
     p, weights = node.args[4], node.args[8]
-    dtype = _input_dtype(node, 0)
+    dtype = _drawn_dtype(node)  # the kernel computes half-precision inputs in float32
     dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     like = torch.empty(0, dtype=dtype, device=device)
     contiguous = tuple(math.prod(weights[i + 1:]) for i in range(len(weights)))
@@ -368,8 +376,10 @@ def draws_of(gm) -> tuple[list, str]:
             if any(isinstance(a, torch.fx.Node) for a in tree_leaves(node.args[fixed:])):
                 return out, f"{node.name} draws with arguments computed at run time"
             out.append(node)
-        elif torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-            return out, f"{node.target} draws random numbers of a shape of its own"
+        elif draws_random(node):
+            line = source_line(node)
+            return out, (f"{node.target}{f' ({line})' if line else ''} draws random numbers "
+                         "in a kernel of its own")
     return out, ""
 
 
