@@ -142,9 +142,18 @@ def batch_of(call: Call) -> int | None:
 
 def microbatch(call: Call, m: int, i: int = 0) -> Call:
     """The `i`-th of `m` equal microbatches of the call (dimension 0 of every tensor); the
-    call itself for one (a call with a 0-dimensional input has no batch to split)."""
+    call itself for one. A ValueError where the tensors share no batch m divides (a mask
+    without a batch dimension, a 0-dimensional input)."""
     if m == 1:
         return call
+    batch = batch_of(call)
+    if batch is None or batch % m:
+        shapes = ", ".join(str(tuple(t.shape)) for t in call.tensors)
+        raise ValueError(
+            f"{m} microbatches split every input and the target along dimension 0, which must "
+            f"be the batch in each and divide by {m}; this call's shapes are {shapes}. Pass "
+            "microbatches=1, or hold a tensor without a batch dimension (a mask every sample "
+            "shares) in a buffer of the model")
 
     def part(t: torch.Tensor) -> torch.Tensor:
         size = t.shape[0] // m

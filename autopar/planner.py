@@ -406,7 +406,7 @@ def start_rounds(batch: int | None, options: PlanOptions, accumulate: bool = Tru
     if not accumulate:
         counts = [1]
     elif options.microbatches is not None:
-        if batch is None or batch % options.microbatches:
+        if options.microbatches != 1 and (batch is None or batch % options.microbatches):
             raise ValueError(
                 f"microbatches={options.microbatches} must divide the batch (dimension 0 of "
                 f"every input and the target{f', {batch}' if batch else ''}); choose a "

@@ -233,10 +233,11 @@ def op_times(name, mesh_shapes: list, profile: dict, min_time: float = 0.002) ->
 
 
 def storage_bytes(name, mesh_shape, force, options: dict | None = None) -> dict:
-    """The bytes this rank holds of parameters (the storages its parameters live in, once
-    each: a ZeRO shard lives in its whole copy), of gradients (what the parameters carry once
-    a step has synchronized them) and of AdamW's state (after its first step), measured from
-    the tensors themselves, with the plan's prediction and the model's parameter count."""
+    """The bytes this rank holds of parameters (the memory of every live tensor whose
+    storage overlaps a parameter's, once: a ZeRO shard lives in its whole copy), of
+    gradients (what the parameters carry once a step has synchronized them) and of AdamW's
+    state (after its first step), measured from the tensors themselves, with the plan's
+    prediction and the model's parameter count."""
     model, loss_fn, (x, y) = build(name)
     count = sum(p.numel() for p in model.parameters())
     tensors = len(list(model.parameters()))
@@ -245,21 +246,41 @@ def storage_bytes(name, mesh_shape, force, options: dict | None = None) -> dict:
                              **(options or {}))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
-    storages = {}
-    for p in pm.parameters():
-        s = local(p.detach()).untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
+    held = _held_memory([local(p.detach()) for p in pm.parameters()])
     pm.step(x, y)
     grads = sum(local(p.grad).numel() * p.grad.element_size() for p in pm.parameters()
                 if p.grad is not None)
     opt.step()
     state = sum(local(t).numel() * t.element_size() for st in opt.state.values()
                 for t in st.values() if isinstance(t, torch.Tensor))
-    return {"measured": {"parameters": sum(storages.values()), "gradients": grads,
+    return {"measured": {"parameters": held, "gradients": grads,
                          "optimizer": state},
             "predicted": {k: pm.plan.cost.memory[k]
                           for k in ("parameters", "gradients", "optimizer")},
             "zero": dict(pm.plan.zero), "params": count, "tensors": tensors}
+
+
+def _held_memory(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the memory `tensors` live in: the union of the storages of every live tensor
+    (found by the garbage collector) that overlaps one of theirs, so that a tensor whose
+    storage aliases part of a larger one counts the larger one, once."""
+    def span(t):
+        s = t.untyped_storage()
+        return s.data_ptr(), s.data_ptr() + s.nbytes()
+
+    mine = [span(t) for t in tensors]
+    spans = list(mine)
+    for obj in gc.get_objects():
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type != "cpu":
+            continue  # (fake and meta tensors of traces have no memory)
+        lo, hi = span(obj)
+        if hi > lo and any(lo < b and a < hi for a, b in mine):
+            spans.append((lo, hi))
+    total, end = 0, 0
+    for lo, hi in sorted(spans):
+        total += max(0, hi - max(lo, end))
+        end = max(end, hi)
+    return total
 
 
 def issued_collectives(name, mesh_shape, force, recompute: str) -> dict:

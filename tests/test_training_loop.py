@@ -236,6 +236,15 @@ def test_microbatches_refuse_draws_they_cannot_relate_to_the_batch():
         batch_dims(whole, 2, half)
 
 
+def test_microbatches_need_a_batch_in_every_input():
+    from autopar.inputs import Call, microbatch
+    call = Call((torch.randn(4, 8, 16), torch.randn(8, 8)), (), torch.randint(0, 4, (4,)))
+    with pytest.raises(ValueError, match=r"2 microbatches split every input .* shapes are "
+                                         r"\(4, 8, 16\), \(8, 8\), \(4,\)"):
+        microbatch(call, 2)
+    assert microbatch(call, 1) is call
+
+
 def test_planner_never_accumulates_a_loss_that_mixes_samples():
     """Under a budget the whole batch does not fit, the planner would accumulate; a loss
     comparing every sample with every other makes it say why it cannot instead."""

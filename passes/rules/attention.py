@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..placement import local_slices
-from .random import dropout_block
+from .random import REPLAYS, draw_mask, drawn_dtype, dropout_block
 from .registry import LocalContext, OpCall, R, Rule1D, Shard, aten, facts, lowering, register
 
 
@@ -151,6 +151,19 @@ def attention_math_block(q, k, v, mask, dropout_p: float, is_causal: bool, scale
     contiguous = tuple(math.prod(weights[i + 1:]) for i in range(len(weights)))
     attn = dropout_block(attn, dropout_p, weights, contiguous, block, shift)
     return torch.matmul(attn, v).to(origin)
+
+
+def _replay_attention(node: torch.fx.Node, device: torch.device) -> None:
+    """Draw what an `attention_math_block` node draws (random.py `replay`): the mask of the
+    whole contiguous weights, in float32 for half-precision inputs as the kernel computes."""
+    p, weights = node.args[4], node.args[8]
+    dtype = drawn_dtype(node)
+    dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    draw_mask(dtype, device, p, weights,
+              tuple(math.prod(weights[i + 1:]) for i in range(len(weights))))
+
+
+REPLAYS[attention_math_block] = (_replay_attention, 4)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

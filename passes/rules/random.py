@@ -28,7 +28,6 @@ the sharding; what backward keeps is the local block of the mask.
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -63,7 +62,8 @@ RANDOM_OPS = [DROPOUT, NATIVE_DROPOUT, *DRAWN_LIKE]
 # `empty_like(input).bernoulli_(1 - p).div_(1 - p)`.
 FUSED_DROPOUT_DEVICES = ("cuda", "xpu", "lazy", "privateuseone")
 
-__all__ = ["DRAWN_LIKE", "MICROBATCH", "RANDOM_OPS", "draws_of", "dropout_draws", "replay"]
+__all__ = ["DRAWN_LIKE", "MICROBATCH", "RANDOM_OPS", "REPLAYS", "draw_mask", "drawn_dtype",
+           "draws_of", "dropout_draws", "replay"]
 
 
 class MicrobatchIndex:
@@ -311,7 +311,7 @@ def lower_drawn_like(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext)
 # Replays: move a generator past the draws of programs another rank runs (pipeline stages)
 # ---------------------------------------------------------------------------------------------
 
-def _drawn_dtype(node: torch.fx.Node) -> torch.dtype | None:
+def drawn_dtype(node: torch.fx.Node) -> torch.dtype | None:
     """The dtype of what a lowered random op returns, which is its input's (rand_like with a
     dtype= of its own passes it on): from the rewrite's record of it, or of its first output
     (native_dropout returns two)."""
@@ -322,57 +322,51 @@ def _drawn_dtype(node: torch.fx.Node) -> torch.dtype | None:
     return None
 
 
-def _replay_dropout(node, device) -> None:
-    p, shape, layout = node.args[1:4]
-    like = torch.empty(0, dtype=_drawn_dtype(node), device=device)
+def draw_mask(dtype: torch.dtype | None, device: torch.device, p: float,
+              shape: tuple[int, ...], layout: tuple[int, ...]) -> None:
+    """Draw, and discard, what `aten.dropout(x, p, True)` draws for an `x` of `shape`,
+    `layout`, `dtype` on `device`."""
+    like = torch.empty(0, dtype=dtype, device=device)
     if _fused(like):
         aten.native_dropout(_stand_in(like, shape, layout), p, True)
     else:
         _stand_in(like, shape, layout).bernoulli_(1 - p)
 
 
-def _replay_native_dropout(node, device) -> None:
+def _replay_dropout(node: torch.fx.Node, device: torch.device) -> None:
+    p, shape, layout = node.args[1:4]
+    draw_mask(drawn_dtype(node), device, p, shape, layout)
+
+
+def _replay_native_dropout(node: torch.fx.Node, device: torch.device) -> None:
     _, p, train, shape, layout = node.args[:5]
-    like = torch.empty(0, dtype=_drawn_dtype(node), device=device)
+    like = torch.empty(0, dtype=drawn_dtype(node), device=device)
     aten.native_dropout(_stand_in(like, shape, layout), p, train)
 
 
-def _replay_drawn_like(node, device) -> None:
+def _replay_drawn_like(node: torch.fx.Node, device: torch.device) -> None:
     op, _, args, kwargs, shape, layout = node.args[:6]
-    dtype = _drawn_dtype(node) if "dtype" not in kwargs else None  # (else: the input's)
+    dtype = drawn_dtype(node) if "dtype" not in kwargs else None  # (else: the input's)
     like = torch.empty(0, dtype=dtype, device=device)
     op(_stand_in(like, shape, layout), *args, **kwargs)
 
 
-def _replay_attention(node, device) -> None:
-    p, weights = node.args[4], node.args[8]
-    dtype = _drawn_dtype(node)  # the kernel computes half-precision inputs in float32
-    dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    like = torch.empty(0, dtype=dtype, device=device)
-    contiguous = tuple(math.prod(weights[i + 1:]) for i in range(len(weights)))
-    if _fused(like):
-        aten.native_dropout(_stand_in(like, weights, contiguous), p, True)
-    else:
-        _stand_in(like, weights, contiguous).bernoulli_(1 - p)
+# lowered random op -> (its replay, the first of its arguments that must be fixed values)
+REPLAYS: dict = {dropout_block: (_replay_dropout, 1),
+                 native_dropout_block: (_replay_native_dropout, 1),
+                 drawn_like_block: (_replay_drawn_like, 2)}
 
 
-def _replays() -> dict:
-    """Lowered random op -> (its replay, the first of its arguments that must be fixed)."""
-    from .attention import attention_math_block  # (attention.py imports this module)
-    return {dropout_block: (_replay_dropout, 1), native_dropout_block: (_replay_native_dropout, 1),
-            drawn_like_block: (_replay_drawn_like, 2), attention_math_block: (_replay_attention, 4)}
-
-
-def draws_of(gm) -> tuple[list, str]:
+def draws_of(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], str]:
     """The nodes of a rank's program (lowered) that draw random numbers, in the order they
-    run, and "" or why one of them cannot be replayed (`replay`): an op drawing as the
-    single-device op does (SDPA's own kernel, noise of a shape of its own)."""
-    replays, out = _replays(), []
+    run, and "" or why one of them cannot be replayed (`replay`): an op drawing in a kernel
+    of its own (SDPA's fused dropout, noise of a shape of its own)."""
+    out = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in replays:
-            fixed = replays[node.target][1]
+        if node.target in REPLAYS:
+            fixed = REPLAYS[node.target][1]
             if any(isinstance(a, torch.fx.Node) for a in tree_leaves(node.args[fixed:])):
                 return out, f"{node.name} draws with arguments computed at run time"
             out.append(node)
@@ -383,7 +377,7 @@ def draws_of(gm) -> tuple[list, str]:
     return out, ""
 
 
-def replay(node, device: torch.device) -> None:
+def replay(node: torch.fx.Node, device: torch.device) -> None:
     """Draw from `device`'s default generator what `node` (of `draws_of`) draws when it runs,
     discarding the numbers: the generator moves on exactly as the op moves it."""
-    _replays()[node.target][0](node, device)
+    REPLAYS[node.target][0](node, device)
