@@ -140,20 +140,34 @@ def batch_of(call: Call) -> int | None:
     return sizes.pop() if len(sizes) == 1 and None not in sizes else None
 
 
+def unsplittable(call: Call, m: int) -> str:
+    """Why the call cannot run as `m` microbatches, or "": its tensors share no batch (a
+    mask without a batch dimension), or m does not divide it."""
+    batch = batch_of(call)
+    if m == 1:
+        return ""
+    if batch is None:
+        shapes = ", ".join(str(tuple(t.shape)) for t in call.tensors)
+        return (f"{m} microbatches split every input and the target along dimension 0, which "
+                f"must be the batch in each; this call's shapes are {shapes}. Pass "
+                "microbatches=1, or hold a tensor without a batch dimension (a mask every "
+                "sample shares) in a buffer of the model")
+    if batch % m:
+        return (f"microbatches={m} must divide the batch (dimension 0 of every input and the "
+                f"target, {batch}); choose a divisor of {batch}: "
+                + ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0))
+    return ""
+
+
 def microbatch(call: Call, m: int, i: int = 0) -> Call:
     """The `i`-th of `m` equal microbatches of the call (dimension 0 of every tensor); the
     call itself for one. A ValueError where the tensors share no batch m divides (a mask
     without a batch dimension, a 0-dimensional input)."""
     if m == 1:
         return call
-    batch = batch_of(call)
-    if batch is None or batch % m:
-        shapes = ", ".join(str(tuple(t.shape)) for t in call.tensors)
-        raise ValueError(
-            f"{m} microbatches split every input and the target along dimension 0, which must "
-            f"be the batch in each and divide by {m}; this call's shapes are {shapes}. Pass "
-            "microbatches=1, or hold a tensor without a batch dimension (a mask every sample "
-            "shares) in a buffer of the model")
+    why = unsplittable(call, m)
+    if why:
+        raise ValueError(why)
 
     def part(t: torch.Tensor) -> torch.Tensor:
         size = t.shape[0] // m

@@ -411,7 +411,7 @@ def start_rounds(batch: int | None, options: PlanOptions, accumulate: bool = Tru
                 f"microbatches={options.microbatches} must divide the batch (dimension 0 of "
                 f"every input and the target{f', {batch}' if batch else ''}); choose a "
                 "divisor" + (f" of {batch}: " + ", ".join(map(str, pipe.divisors(batch, batch)))
-                             if batch else ""))
+                             if batch else ", or pass microbatches=1"))
         counts = [options.microbatches]
     else:
         counts = pipe.divisors(batch, batch) if batch else [1]

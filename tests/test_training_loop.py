@@ -243,6 +243,9 @@ def test_microbatches_need_a_batch_in_every_input():
                                          r"\(4, 8, 16\), \(8, 8\), \(4,\)"):
         microbatch(call, 2)
     assert microbatch(call, 1) is call
+    whole = Call((torch.randn(8, 16),), (), torch.randint(0, 4, (8,)))
+    with pytest.raises(ValueError, match="microbatches=3 must divide the batch .* 8.*: 1, 2, 4, 8"):
+        microbatch(whole, 3)
 
 
 def test_planner_never_accumulates_a_loss_that_mixes_samples():
