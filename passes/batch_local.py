@@ -13,6 +13,10 @@ placements each value can have that way, and names the first op that has none; a
 without a sharding rule counts as one (autopar cannot tell). The loss's own last op (and
 the casts and views after it) is left out: passes/loss_weights.py weighs each microbatch's
 loss so that they add up to the batch's, or refuses.
+
+The same propagation says on which dimension each random op's output carries the batch
+(`batch_dims`): under microbatches such an op draws the whole batch's numbers and keeps the
+running microbatch's block (passes/rules/random.py).
 """
 
 from __future__ import annotations
@@ -59,8 +63,9 @@ def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | Non
 def split_problem(whole: TracedProgram, m: int, per_rank_inputs: bool = False) -> str:
     """Why m microbatches of the model traced as `whole` (on the whole batch) would not add
     up to the whole batch's step, or "": BatchNorm in training mode or a loss whose
-    microbatches cannot be weighted (passes/loss_weights.py), else an op mixing the samples
-    (`mixing`). Gradient accumulation and pipeline schedules both split the batch this way."""
+    microbatches cannot be weighted (passes/loss_weights.py), random numbers drawn in a
+    shape of their own, else an op mixing the samples (`mixing`). Gradient accumulation and
+    pipeline schedules both split the batch this way."""
     if m <= 1:
         return ""
     return of_program(whole, per_rank_inputs).exact() or _unsplit_draws(whole) or \
