@@ -140,23 +140,25 @@ def batch_of(call: Call) -> int | None:
     return sizes.pop() if len(sizes) == 1 and None not in sizes else None
 
 
-def unsplittable(call: Call, m: int) -> str:
-    """Why the call cannot run as `m` microbatches, or "": its tensors share no batch (a
-    mask without a batch dimension), or m does not divide it."""
-    batch = batch_of(call)
-    if m == 1:
+def indivisible(batch: int | None, m: int, shapes: str = "") -> str:
+    """Why a batch of `batch` (None: the inputs share none; `shapes` names theirs) cannot run
+    as `m` microbatches, or ""."""
+    if m == 1 or (batch is not None and batch % m == 0):
         return ""
     if batch is None:
-        shapes = ", ".join(str(tuple(t.shape)) for t in call.tensors)
         return (f"{m} microbatches split every input and the target along dimension 0, which "
-                f"must be the batch in each; this call's shapes are {shapes}. Pass "
-                "microbatches=1, or hold a tensor without a batch dimension (a mask every "
+                f"must be the batch in each{f'; the shapes are {shapes}' if shapes else ''}. "
+                "Pass microbatches=1, or hold a tensor without a batch dimension (a mask every "
                 "sample shares) in a buffer of the model")
-    if batch % m:
-        return (f"microbatches={m} must divide the batch (dimension 0 of every input and the "
-                f"target, {batch}); choose a divisor of {batch}: "
-                + ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0))
-    return ""
+    return (f"microbatches={m} must divide the batch (dimension 0 of every input and the "
+            f"target, {batch}); choose a divisor of {batch}: "
+            + ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0))
+
+
+def unsplittable(call: Call, m: int) -> str:
+    """Why the call cannot run as `m` microbatches, or "" (`indivisible`)."""
+    return indivisible(batch_of(call), m,
+                       ", ".join(str(tuple(t.shape)) for t in call.tensors))
 
 
 def microbatch(call: Call, m: int, i: int = 0) -> Call:

@@ -50,6 +50,7 @@ from autopar.solver.ilp import (
 from autopar.solver.memory import exact_memory, node_infos
 
 from .collector import planning
+from .inputs import indivisible
 from .mesh import MeshSpec
 from .options import RECOMPUTE, PlanOptions
 from .plan import Collective, OpEntry, PipelinePlan, Plan, PlanCost
@@ -406,12 +407,9 @@ def start_rounds(batch: int | None, options: PlanOptions, accumulate: bool = Tru
     if not accumulate:
         counts = [1]
     elif options.microbatches is not None:
-        if options.microbatches != 1 and (batch is None or batch % options.microbatches):
-            raise ValueError(
-                f"microbatches={options.microbatches} must divide the batch (dimension 0 of "
-                f"every input and the target{f', {batch}' if batch else ''}); choose a "
-                "divisor" + (f" of {batch}: " + ", ".join(map(str, pipe.divisors(batch, batch)))
-                             if batch else ", or pass microbatches=1"))
+        why = indivisible(batch, options.microbatches)
+        if why:
+            raise ValueError(why)
         counts = [options.microbatches]
     else:
         counts = pipe.divisors(batch, batch) if batch else [1]

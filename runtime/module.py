@@ -128,10 +128,10 @@ class ParallelModule:
             elif last:
                 self._grad_sync.release(report)
             loss.backward(torch.full_like(loss, self._loss.seed * weights[i]))
-            if rng is not None:
-                rng.done(i)
             if not last:
                 self._grad_sync.microbatch_done()
+        if rng is not None:
+            rng.finish()
         self._grad_sync.finish()
         self._store.push_grads()
         return report.wait()
@@ -156,13 +156,15 @@ class _Generator:
         self.end = None
 
     def at_microbatch(self, i: int) -> None:
-        """Before microbatch i's forward: the generator where the step started."""
+        """Before microbatch i's forward: the generator where the step started (where the
+        first microbatch left it is kept for `finish`; a recomputation in its backward
+        restores the generator itself)."""
         MICROBATCH.index = i
+        if i == 1:
+            self.end = generator_state(self.device)
         if i:
             set_generator_state(self.device, self.start)
 
-    def done(self, i: int) -> None:
-        """After microbatch i's backward (a recomputation restores the generator itself)."""
-        if i == 0:
-            self.end = generator_state(self.device)
+    def finish(self) -> None:
+        """After the last microbatch: the generator where one device's whole batch leaves it."""
         set_generator_state(self.device, self.end)

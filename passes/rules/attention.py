@@ -163,7 +163,7 @@ def _replay_attention(node: torch.fx.Node, device: torch.device) -> None:
               tuple(math.prod(weights[i + 1:]) for i in range(len(weights))))
 
 
-REPLAYS[attention_math_block] = (_replay_attention, 4)
+REPLAYS[attention_math_block] = _replay_attention
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -34,7 +34,6 @@ import torch
 
 from ..emitted import META_KEY
 from ..placement import local_slices
-from ..torch_compat import tree_leaves
 from ..trace import draws_random, source_line
 from .registry import (
     SAVES_NOTHING,
@@ -184,7 +183,8 @@ def _whole_batch(call: OpCall, ctx: LocalContext):
         return x.shape, _layout(x), block, None
     d, m = ctx.microbatches
     shape = tuple(s * m if k == d else s for k, s in enumerate(x.shape))
-    order = sorted(range(x.ndim), key=lambda k: _layout(x)[k])  # innermost first
+    strides = _layout(x)
+    order = sorted(range(x.ndim), key=lambda k: strides[k])  # innermost first
     layout, step = [0] * x.ndim, 1
     for k in order:  # the whole batch in the input's memory order
         layout[k] = step
@@ -351,10 +351,9 @@ def _replay_drawn_like(node: torch.fx.Node, device: torch.device) -> None:
     op(_stand_in(like, shape, layout), *args, **kwargs)
 
 
-# lowered random op -> (its replay, the first of its arguments that must be fixed values)
-REPLAYS: dict = {dropout_block: (_replay_dropout, 1),
-                 native_dropout_block: (_replay_native_dropout, 1),
-                 drawn_like_block: (_replay_drawn_like, 2)}
+# lowered random op -> its replay (the lowerings pass every argument a draw reads as a value)
+REPLAYS: dict = {dropout_block: _replay_dropout, native_dropout_block: _replay_native_dropout,
+                 drawn_like_block: _replay_drawn_like}
 
 
 def draws_of(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], str]:
@@ -366,9 +365,6 @@ def draws_of(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], str]:
         if node.op != "call_function":
             continue
         if node.target in REPLAYS:
-            fixed = REPLAYS[node.target][1]
-            if any(isinstance(a, torch.fx.Node) for a in tree_leaves(node.args[fixed:])):
-                return out, f"{node.name} draws with arguments computed at run time"
             out.append(node)
         elif draws_random(node):
             line = source_line(node)
@@ -380,4 +376,4 @@ def draws_of(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], str]:
 def replay(node: torch.fx.Node, device: torch.device) -> None:
     """Draw from `device`'s default generator what `node` (of `draws_of`) draws when it runs,
     discarding the numbers: the generator moves on exactly as the op moves it."""
-    REPLAYS[node.target][0](node, device)
+    REPLAYS[node.target](node, device)
