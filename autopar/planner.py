@@ -800,6 +800,9 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
             raise RuntimeError("the model traces into different layer blocks at the microbatch "
                                f"size ({again.names} vs {blocks.names})")
         blocks = again
+    # every microbatch draws the whole batch's random numbers (solver/stages.py), and adds
+    # its gradients to those of the microbatches before it
+    cost = cost.copy(accumulation=m)
     num_stages = p * v
     stage_of = blocks.stage_of(best.cuts, num_stages)
 

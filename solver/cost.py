@@ -529,8 +529,8 @@ class CostModel:
 
     def draw_time(self, node: SNode) -> float:
         """Seconds a random op spends drawing: the whole tensor on every rank, whatever the
-        sharding, and under gradient accumulation the whole batch's in every microbatch
-        (passes/rules/random.py); 0 for other ops."""
+        sharding, and under gradient accumulation or a pipeline's m microbatches the whole
+        batch's in every microbatch (passes/rules/random.py); 0 for other ops."""
         n = drawn_elements(node) * self.accumulation
         if not n:
             return 0.0

@@ -16,9 +16,18 @@ Sets and data (S = p v stages; stage s runs on pp rank s mod p)
   k_r          microbatches in flight on pp rank r, per local stage (see `in_flight`)
   M            bytes per device
 Per microbatch of size mb (the graph was priced at batch tb), sigma = mb / tb and
-  t_b = f_b + (t_b(tb) - f_b) sigma,   c_b likewise,   a_b = a_b(tb) sigma
+  t_b = f_b + (t_b(tb) - f_b - d_b) sigma + d_b m sigma + g'_b (m - 1) / m,
+  c_b = c_f + (c_b(tb) - c_f) sigma,   a_b = a_b(tb) sigma
 where f_b is the part that does not shrink with the microbatch (kernel launch floors, collective
-latencies).
+latencies), g'_b the seconds of adding a microbatch's gradients of block b's parameters to
+those of the microbatches before it (autograd's accumulation, from the second microbatch on:
+g'_b (m - 1) / m per microbatch, which t_b includes), and d_b the seconds of block b's random
+draws (dropout masks) at batch tb: every
+microbatch draws what one device draws for the whole batch (m mb = m sigma tb) and keeps its
+own rows, so that a pipelined model draws one device's numbers (passes/rules/random.py). Every
+pp rank also draws every stage's numbers once per step, to move its generator where one device
+has it at each of its stages (runtime/pipeline.py): R = m sigma sum_b d_b seconds, added to the
+objective.
 Variables
   x[b,s] in {0,1}   block b runs in stage s
   y[b,s] in [0,1]   block b is the last block of stage s < S-1 (a cut follows it)
@@ -35,9 +44,9 @@ Constraints
   G  >= sum_{s on r} sum_b g_b x[b,s]
   sum_{s on r} sum_b (w_b + k_r a_b) x[b,s] <= M
 Objective (seconds per step)
-  v = 1:            min sum_s T_s + (m - 1) C + G
-  v > 1, m >= p:    min m T + (p - 1) C + G
-  v > 1, m < p:     min sum_s T_s + (m - 1) C + G
+  v = 1:            min sum_s T_s + (m - 1) C + G + R
+  v > 1, m >= p:    min m T + (p - 1) C + G + R
+  v > 1, m < p:     min sum_s T_s + (m - 1) C + G + R
 Interleaved 1F1B on hardware whose communication overlaps compute (`hides_sends`) sends beside
 its other chunks' work in the steady state: there the busiest rank's time is bounded by its
 work and by its sends separately, T >= sum_{s on r} (T_s - c_s) and T >= sum_{s on r} c_s
@@ -158,6 +167,22 @@ class Block:
     act_bytes: float         # a_b at the traced batch
     cut_time: float = 0.0    # c_b at the traced batch (0 for the last block)
     cut_fixed: float = 0.0
+    draw: float = 0.0        # d_b: seconds of its random draws at the traced batch (in time)
+    accumulate: float = 0.0  # g'_b: seconds of adding a microbatch's gradients (not in time)
+
+
+def microbatch_time(block: Block, sigma: float, m: int) -> float:
+    """t_b: seconds of `block` per microbatch of sigma times the traced batch, in a step of
+    m microbatches (each draws the whole batch's random numbers and adds its gradients to the
+    step's: the module docstring)."""
+    return block.time_fixed + (block.time - block.time_fixed - block.draw) * sigma \
+        + block.draw * m * sigma + block.accumulate * (m - 1) / m
+
+
+def replay_time(blocks: list[Block], sigma: float, m: int) -> float:
+    """R: seconds every pp rank spends once per step drawing every block's random numbers
+    for the whole batch (runtime/pipeline.py moves its generator past them)."""
+    return sum(b.draw for b in blocks) * m * sigma
 
 
 @dataclass
@@ -200,7 +225,7 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
     if num_stages > n:
         raise StageError(too_few_blocks(blocks, num_stages, p, v))
     start = time.perf_counter()
-    t = [b.time_fixed + (b.time - b.time_fixed) * sigma for b in blocks]
+    t = [microbatch_time(b, sigma, m) for b in blocks]
     c = [b.cut_fixed + (b.cut_time - b.cut_fixed) * sigma for b in blocks]
     a = [b.act_bytes * sigma for b in blocks]
     k = [in_flight(schedule, p, m, v, r) for r in range(p)]
@@ -274,7 +299,8 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
     memory = [sum(blocks[b].param_bytes + k[r] * a[b] for b in range(n) if stage[b] % p == r)
               for r in range(p)]
     return StageSolution(schedule, m, v, cuts,
-                         step_time(times, syncs, p, m, v, sent if hide else None), times,
+                         step_time(times, syncs, p, m, v, sent if hide else None,
+                                   replay_time(blocks, sigma, m)), times,
                          memory, [k[s % p] for s in range(num_stages)],
                          time.perf_counter() - start, status == cp_model.OPTIMAL)
 
@@ -293,15 +319,16 @@ def _balanced(t: list[float], num_stages: int) -> list[int]:
 
 
 def step_time(stage_time: list[float], grad_sync: list[float], p: int, m: int, v: int,
-              sends: list[float] | None = None) -> float:
+              sends: list[float] | None = None, replay: float = 0.0) -> float:
     """The objective of the module docstring for given per-stage times (s per step). With
     `sends` (each stage's seconds of sends within its time, for a schedule that issues them
     beside compute: `hides_sends`) a rank's steady-state pace is the longer of its work and
-    its sends (`rank_pace`); the fill and drain wait for every send."""
+    its sends (`rank_pace`); the fill and drain wait for every send. `replay`: R, the
+    step's draws every pp rank runs once (`replay_time`)."""
     syncs = [sum(grad_sync[r::p]) for r in range(p)]
     ws, wt, wc = _weights(p, m, v)
     return ws * sum(stage_time) + wt * max(rank_pace(stage_time, p, sends)) \
-        + wc * max(stage_time) + max(syncs)
+        + wc * max(stage_time) + max(syncs) + replay
 
 
 def rank_pace(stage_time: list[float], p: int, sends: list[float] | None = None) -> list[float]:
@@ -378,10 +405,11 @@ def choose(blocks: list[Block], p: int, batch: int, traced_batch: int,
     def bound(cand):
         sched, m, v = cand
         sigma = (batch / m) / traced_batch
-        times = [b.time_fixed + (b.time - b.time_fixed) * sigma for b in blocks]
+        times = [microbatch_time(b, sigma, m) for b in blocks]
         work = sum(times)
         ws, wt, wc = _weights(p, m, v)
-        return ws * work + wt * work / p + wc * max(work / (p * v), max(times))
+        return ws * work + wt * work / p + wc * max(work / (p * v), max(times)) \
+            + replay_time(blocks, sigma, m)
 
     order = sorted(range(len(candidates)), key=lambda i: (bound(candidates[i]), i))
     best: StageSolution | None = None
@@ -489,6 +517,8 @@ class Priced:
     memory: dict[str, float] = field(default_factory=lambda: {
         "parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0})
     hidden: dict[str, float] = field(default_factory=dict)  # per microbatch, by kind
+    draws: float = 0.0         # seconds of its random draws per microbatch (in compute)
+    accumulate: float = 0.0    # seconds of adding a microbatch's gradients to the step's
 
 
 def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> Priced:
@@ -506,7 +536,9 @@ def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> P
             out.grad_sync += cost.grad_sync_time(v, s.output, s.zero)
             for key, b in cost.param_memory_split(v, s.output, s.zero).items():
                 out.memory[key] = out.memory.get(key, 0.0) + b
-            fwd, bwd = cost.compute_times(v, s)  # mixed precision's casts
+            fwd, bwd = cost.compute_times(v, s)  # mixed precision's casts (and accumulation)
+            if v.requires_grad:
+                out.accumulate += cost.grad_accumulation_seconds(v, s.output, s.zero)
             out.compute += fwd + bwd
             total = total.plus(Split(fwd, bwd, 0.0, 0.0))
             continue
@@ -514,6 +546,7 @@ def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> P
             continue
         ct = cost.compute_time(v, s)
         out.compute += ct
+        out.draws += cost.draw_time(v)
         total = total.plus(cost.node_split(v, s))
         if not is_view(v):
             grad = v.requires_grad and v.kind != CONSTANT
@@ -637,7 +670,8 @@ def price_blocks(graph: StrategyGraph, cost: CostModel, block_of: dict[str, int]
         p = price(sub, cost, picked)
         blocks.append(Block(name, p.time, p.time_fixed, p.grad_sync,
                             sum(v for k, v in p.memory.items() if k != "activations"),
-                            p.memory["activations"]))
+                            p.memory["activations"], draw=p.draws,
+                            accumulate=p.accumulate))
     for b, values in crossing(graph, {n: block_of[n] for n in block_of
                                       if graph.nodes[n].kind == OP}).items():
         blocks[b].cut_time, blocks[b].cut_fixed = transfer_time(graph, cost, values, choice,
@@ -670,7 +704,10 @@ def price_pipeline(graph: StrategyGraph, cost: CostModel, stages: list, stage_of
                    choice: dict[str, Strategy], link, schedule: str, p: int, m: int, v: int
                    ) -> PipelinePrice:
     """Price a pipelined plan: `stages` is each stage's (subgraph, strategies) in order,
-    `stage_of` every op's stage, `choice` every node's strategy, `link` the pp link."""
+    `stage_of` every op's stage, `choice` every node's strategy, `link` the pp link; `cost`
+    for the microbatch's graph with `accumulation` m (each microbatch draws the whole batch's
+    random numbers: `CostModel.draw_time`). The step adds the draws every pp rank runs once
+    (`replay_time`) to the busiest rank's compute."""
     num_stages = len(stages)
     crossing_values = crossing(graph, {n: k for n, k in stage_of.items()
                                        if graph.nodes[n].kind == OP})
@@ -701,7 +738,8 @@ def price_pipeline(graph: StrategyGraph, cost: CostModel, stages: list, stage_of
                 mem[key] += val * (held[s] if key == "activations" else 1)
         rank_memory.append(mem)
     hide = hides_sends(schedule, cost.overlap)
-    total = step_time(stage_time, grad_sync, p, m, v, transfer if hide else None)
+    replay = sum(pr.draws for pr in priced)  # every stage's, for the whole batch, once
+    total = step_time(stage_time, grad_sync, p, m, v, transfer if hide else None, replay)
     ranks = rank_pace(stage_time, p, transfer if hide else None)
     busy = max(range(p), key=lambda r: ranks[r])
     mine = range(busy, num_stages, p)
@@ -711,7 +749,7 @@ def price_pipeline(graph: StrategyGraph, cost: CostModel, stages: list, stage_of
             comm[key] = comm.get(key, 0.0) + m * val
     comm["p2p"] = m * sum(transfer[s] for s in mine)
     comm["gradient_sync"] = sum(grad_sync[s] for s in mine)
-    compute = m * sum(priced[s].compute for s in mine)
+    compute = m * sum(priced[s].compute for s in mine) + replay
     hidden = {}
     for s in mine:  # each stage's prefetched FSDP gathers, every microbatch
         for key, val in priced[s].hidden.items():
@@ -736,7 +774,7 @@ def stage_budget(memory_budget: float, v: int) -> float:
 
 
 __all__ = ["SCHEDULES", "Block", "PipelinePrice", "Priced", "StageError", "StageSolution",
-           "activation_scaled", "price_pipeline",
+           "activation_scaled", "microbatch_time", "price_pipeline", "replay_time",
            "bubble_fraction", "choose", "crossing", "divisors", "hides_sends", "in_flight",
            "price", "rank_pace",
            "price_blocks", "schedule_problem", "signature", "solve_stages", "solve_subgraph",

@@ -78,14 +78,16 @@ def brute_force(blocks, p, m, v=1, sigma=1.0, hide_sends=False):
         times, sends = [], []
         for s in range(p * v):
             lo, hi = bounds[s], bounds[s + 1]
-            t = sum(b.time_fixed + (b.time - b.time_fixed) * sigma for b in blocks[lo:hi])
+            t = sum(b.time_fixed + (b.time - b.time_fixed - b.draw) * sigma
+                    + b.draw * m * sigma + b.accumulate * (m - 1) / m for b in blocks[lo:hi])
             c = 0.0
             if s < p * v - 1:
                 b = blocks[hi - 1]
                 c = b.cut_fixed + (b.cut_time - b.cut_fixed) * sigma
             times.append(t + c)
             sends.append(c)
-        value = st.step_time(times, [0.0] * (p * v), p, m, v, sends if hide_sends else None)
+        value = st.step_time(times, [0.0] * (p * v), p, m, v, sends if hide_sends else None,
+                             sum(b.draw for b in blocks) * m * sigma)
         best = value if best is None else min(best, value)
     return best
 
@@ -102,12 +104,14 @@ def test_stage_ilp_equals_brute_force(seed):
     blocks = chain([rng.uniform(1e-4, 1e-3) for _ in range(rng.randint(4, 7))])
     for b in blocks:
         b.cut_time = rng.uniform(0, 2e-4)
+        b.draw = rng.choice([0.0, 0.3]) * b.time  # dropout masks: whole-batch draws
+        b.accumulate = rng.choice([0.0, 0.1]) * b.time  # adding microbatches' gradients
     p, m = rng.choice([2, 3]), rng.choice([1, 2, 4, 8])
-    sol = st.solve_stages(blocks, p, "gpipe", m, 1, 1.0, None)
-    assert sol.objective == pytest.approx(brute_force(blocks, p, m), rel=1e-6)
+    sol = st.solve_stages(blocks, p, "gpipe", m, 1, 1 / m, None)
+    assert sol.objective == pytest.approx(brute_force(blocks, p, m, sigma=1 / m), rel=1e-6)
     if len(blocks) >= 2 * p and st.schedule_problem("interleaved", p, m, 2) is None:
-        sol = st.solve_stages(blocks, p, "interleaved", m, 2, 1.0, None)
-        assert sol.objective == pytest.approx(brute_force(blocks, p, m, 2), rel=1e-6)
+        sol = st.solve_stages(blocks, p, "interleaved", m, 2, 1 / m, None)
+        assert sol.objective == pytest.approx(brute_force(blocks, p, m, 2, 1 / m), rel=1e-6)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -153,6 +157,34 @@ def test_pipelined_plan_on_overlapping_hardware_hides_interleaved_sends():
     assert inter.solver_objective == pytest.approx(inter.step_time, rel=1e-6)
 
 
+def test_a_dropout_pipeline_prices_whole_batch_draws_every_microbatch():
+    """A pipelined model with dropout draws, in every microbatch, the whole batch's masks of
+    its stages, and every pp rank draws all stages' masks once more per step: against the
+    same model with dropout p=0 (the same ops, drawing nothing), the busiest rank's compute
+    grows by m times its stages' whole-batch draws and all stages' once, not by one batch's
+    draws as drawing per microbatch would."""
+    from autopar.solver.cost import CostModel
+
+    plans, x, y = {}, None, None
+    for p in (0.0, 0.1):
+        with torch.device("meta"):
+            model = ResidualMLP(128, 8, dropout=p)
+            x, y = torch.randn(65536, 128), torch.randn(65536, 128)
+        spec = autopar.MeshSpec((4,), names=("pp",), hardware="h100")
+        plans[p] = autopar.plan(model, spec, (x, y), loss_fn=nn.functional.mse_loss,
+                                schedule="1f1b")
+    plain, drop = plans[0.0], plans[0.1]
+    m = drop.pipeline.microbatches
+    assert m > 1 and m == plain.pipeline.microbatches
+    assert drop.pipeline.cuts == plain.pipeline.cuts == [2, 4, 6]
+    graph = strategies.build(trace(model, (x,), nn.functional.mse_loss, y), (1,))
+    cost = CostModel(autopar.MeshSpec((1,), hardware="h100"), graph=graph)
+    draws = sum(cost.draw_time(v) for v in graph.nodes.values())  # the whole batch, once
+    mine = draws / 4  # the busiest rank's two blocks of eight
+    more = drop.cost.compute - plain.cost.compute
+    assert more == pytest.approx(m * mine + draws, rel=1e-3)
+
+
 def test_memory_decides_the_cut():
     """Balanced by time the first stage would hold the two heavy blocks; within the budget it
     must not."""
@@ -168,6 +200,28 @@ def test_prefers_more_microbatches_when_the_bubble_dominates():
     microbatches, so the solver takes as many as the batch allows."""
     best = st.choose(chain([1e-2] * 8, fixed=1e-6), 4, 64, 64, None, schedule="1f1b")
     assert best.microbatches == 64 and best.bubble == pytest.approx(3 / 64)
+
+
+def test_whole_batch_draws_cost_every_microbatch():
+    """Each microbatch draws the whole batch's random numbers (d_b m sigma per microbatch),
+    and every pp rank draws them all once more per step: draws grow with the microbatch
+    count, so a chain whose blocks draw much takes fewer microbatches than the same chain
+    drawing nothing (which takes as many as the batch allows)."""
+    plain = chain([1e-2] * 8, fixed=1e-6)
+    drawing = chain([1e-2] * 8, fixed=1e-6)
+    for b in drawing:
+        b.draw = 0.2 * b.time
+    assert st.microbatch_time(drawing[0], 1 / 4, 4) == pytest.approx(
+        1e-6 + (0.8e-2 - 1e-6) / 4 + 0.2e-2)
+    assert st.replay_time(drawing, 1 / 4, 4) == pytest.approx(8 * 0.2e-2)
+    free = st.choose(plain, 4, 64, 64, None, schedule="1f1b")
+    best = st.choose(drawing, 4, 64, 64, None, schedule="1f1b")
+    assert free.microbatches == 64 and 4 <= best.microbatches < 16
+    sigma = 1 / best.microbatches
+    assert best.objective == pytest.approx(st.step_time(
+        best.stage_time, [0.0] * 4, 4, best.microbatches, 1,
+        replay=st.replay_time(drawing, sigma, best.microbatches)), rel=1e-6)
+    assert best.objective > free.objective
 
 
 def test_prefers_few_microbatches_when_overheads_dominate():
