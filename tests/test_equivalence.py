@@ -52,9 +52,10 @@ def test_two_ranks(world2, model, force):
 
 
 # Four ranks in one dimension: the solver's plan, and the styles whose shards change with the
-# degree (data parallelism over four ranks runs the code path of two, tested above and on 2 x 2)
+# degree (data parallelism over four ranks runs the code path of two, tested above and on 2 x 2),
+# on the models with attention (the MLP families run random plans on (4,) in test_properties)
 @pytest.mark.parametrize("force", [None, "tensor", "fsdp"], ids=lambda f: f or "solver")
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [m for m in MODELS if m not in ("mlp", "residual_rms")])
 def test_four_ranks(world4, model, force):
     plan = world4.run(rank_tasks.train_equivalence, model, (4,), force)[0]
     _check_style(plan, force)
