@@ -116,11 +116,11 @@ def explain_infeasible(graph: StrategyGraph, cost: CostModel, budget: float,
 
 def _dominant(split: dict[str, float]) -> str:
     """The kind of memory that dominates `split` (activations live again while backward
-    recomputes them, and the loss's backward buffers, count as activations: the batch sets
-    them all)."""
+    recomputes them, the loss's backward buffers and the largest random draw count as
+    activations: the batch sets them all)."""
     merged = dict(split)
     merged["activations"] = merged.get("activations", 0.0) + merged.pop("recomputed", 0.0) \
-        + merged.pop("workspace", 0.0)
+        + merged.pop("workspace", 0.0) + merged.pop("draws", 0.0)
     return max(merged, key=lambda k: merged[k])
 
 

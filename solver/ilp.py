@@ -55,7 +55,7 @@ from autopar.passes.strategies import CONSTANT, OP, PARAM, SNode, StrategyGraph
 
 from . import mip
 from .cost import INFEASIBLE, NO_TIME, CostModel, Split, step_seconds
-from .memory import plan_memory, recompute_state
+from .memory import draw_bytes, plan_memory, recompute_state
 
 SCALE = 1e6  # seconds -> microseconds inside the solver
 GIB = 1.0 / 2**30  # bytes -> GiB in the memory constraint and the least-memory objective
@@ -551,13 +551,15 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
     def bounded(sol: Solution | None, bound: float | None) -> Solution | None:
         return sol if sol is None else dataclasses.replace(sol, bound=bound)
 
+    drawn = draw_bytes(graph, cost)  # a constant of the graph: off the budget
+
     def budget_row() -> int:  # the memory constraint; its index
         prog.row([(x[o][k], m * GIB) for o, ms in problem.memory.items()
                   for k, m in enumerate(ms) if m]
                  + [(var, problem.edge_memory[i][ab] * GIB) for i, ab, var in y_terms
                     if problem.edge_memory[i].get(ab)]
                  + ([(gathered, 1.0)] if gathered is not None else []),
-                 upper=memory_budget * GIB)
+                 upper=(memory_budget - drawn) * GIB)
         return prog.num_constraints - 1
 
     if relax:
@@ -593,7 +595,7 @@ def _solve(graph: StrategyGraph, cost: CostModel, problem: _OwnerProblem, c: Clu
             # The solver accepts rows violated within its feasibility tolerance (HiGHS: 1e-7
             # in the row's units): on a budget of a few MB a plan 256 bytes over it came
             # back. Solved again with the row that much tighter, twice over.
-            prog.row_upper[memory_row] = (memory_budget - 2 * over) * GIB
+            prog.row_upper[memory_row] = (memory_budget - drawn - 2 * over) * GIB
             sol = run()
     except NoFeasiblePlan as e:
         e.bound = bound

@@ -1,7 +1,7 @@
 """The memory model: bytes per device of a plan, per strategy, so the ILP's constraint is linear.
 
     peak = parameters + gradients + optimizer state + activations kept for backward
-           + FSDP gathers in flight
+           + FSDP gathers in flight + the largest random draw
 
 Parameters, gradients and optimizer state follow each parameter's storage placement: a local
 shard of the parameter and of its gradient (in the compute dtype), the optimizer's states
@@ -24,11 +24,16 @@ tensor (attention's q, k and v are one projection), and a tensor kept by k ops c
 each (one tensor when they use it alike). Measured on gloo ranks, this is within a few percent
 of the storages autograd really saves (tests/test_memory.py).
 
-Every term is a function of one node's strategy or of one edge's pair of placements, so memory
-is linear in the ILP's variables: sum_v sum_s m[v,s] x[v,s] + sum_e sum_{a,b} m[e,a,b] y[e,a,b].
-The ILP can minimise that instead of time (solver/ilp.py), for the smallest peak any plan
-reaches (solver/diagnose.py reports it when no plan fits); `zero_memory` prices the standard
-ZeRO setups in closed form.
+A random op draws its whole tensor on every rank, whatever its sharding, and under gradient
+accumulation or a pipeline's microbatches the whole batch's (passes/rules/random.py), then keeps
+its block: the draw is live while the op runs, on top of what forward has kept by then
+(`draw_bytes`: the largest, a constant of the graph that the ILP takes off the budget).
+
+Every other term is a function of one node's strategy or of one edge's pair of placements, so
+memory is linear in the ILP's variables:
+sum_v sum_s m[v,s] x[v,s] + sum_e sum_{a,b} m[e,a,b] y[e,a,b]. The ILP can minimise that
+instead of time (solver/ilp.py), for the smallest peak any plan reaches (solver/diagnose.py
+reports it when no plan fits); `zero_memory` prices the standard ZeRO setups in closed form.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ from .specs import optimizer_spec, precision_spec
 
 GiB = 2**30
 KINDS = ("parameters", "gradients", "optimizer", "activations", "recomputed", "gathered",
-         "workspace")
+         "workspace", "draws")
 
 
 class Prices(Protocol):
@@ -137,6 +142,24 @@ def extra_saved_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
         return 0.0
     in_local, out_local = cost.local_shapes(node, strategy)
     return f.extra_saved(node.call, in_local, out_local, lambda dt: cost.dtype(dt).itemsize)
+
+
+def draw_bytes(graph: StrategyGraph, cost: Prices) -> float:
+    """Bytes of the largest whole draw a random op makes while it runs, whatever the plan:
+    its drawn elements (the whole batch's under accumulation: `cost.accumulation`) times what
+    the lowering holds of each at most (passes/rules/random.py: a stand-in of the input's
+    dtype, and the op's outputs on it: for GPU dropout the whole output and its boolean mask,
+    2 x itemsize + 1)."""
+    most = 0.0
+    for v in graph.nodes.values():
+        f = facts(v)
+        if f.draws is None or v.call is None or not v.out_dtypes:
+            continue
+        n = f.draws(v.call)
+        if n:
+            size = cost.dtype(v.out_dtypes[0]).itemsize
+            most = max(most, n * cost.accumulation * (2 * size + 1))
+    return float(most)
 
 
 def workspace_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
@@ -452,7 +475,8 @@ def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
                  twin: dict[str, str] | None = None) -> dict[str, float]:
     """Bytes per device of a complete assignment, by kind (KINDS; "recomputed" only when
     something recomputes, "gathered" only when FSDP gathers parameters, "workspace" only when
-    a loss's backward allocates gradient buffers at the peak); sums to the ILP's
+    a loss's backward allocates gradient buffers at the peak, "draws" only when a random op
+    draws: `draw_bytes`); sums to the ILP's
     memory, but for "gathered": the ILP counts the largest parameter gathered, this its
     bucket (`gathered_bytes`). Twins (`twin`: a folded node -> its first layer's, as the
     clustering has them) alike (`alike`) are counted once each, as in the ILP."""
@@ -473,7 +497,8 @@ def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
         out["recomputed"] += again
         out["workspace"] += work
     out["gathered"] = gathered_bytes(graph, cost, choice)
-    for kind in ("recomputed", "gathered", "workspace"):  # only plans that have them
+    out["draws"] = draw_bytes(graph, cost)
+    for kind in ("recomputed", "gathered", "workspace", "draws"):  # only plans that have them
         if not out[kind]:
             del out[kind]
     return out

@@ -418,3 +418,71 @@ def test_twins_alike_are_counted_once_to_the_same_bytes():
             once = memory_split(graph, freed, choice, twin)
             assert each.keys() == once.keys()
             assert all(once[k] == pytest.approx(each[k], rel=1e-12) for k in each)
+
+
+class _AllocatedBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of the new storages ops allocate meanwhile (outputs that are neither views nor
+    written in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func._schema.is_mutable and func not in _VIEWS:
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t._base is None:
+                    self.total += t.untyped_storage().nbytes()
+        return out
+
+
+_VIEWS = (torch.ops.aten.narrow.default, torch.ops.aten.slice.Tensor,
+          torch.ops.aten.alias.default)
+
+
+def test_the_largest_random_draw_is_part_of_the_peak():
+    """A random op draws its whole tensor, and under gradient accumulation the whole batch's,
+    whatever its sharding, and holds that draw while it runs: the plan's memory has the
+    largest as "draws" (m times the microbatch's elements at 2 x itemsize + 1 bytes each, the
+    GPU's stand-in, output and boolean mask), and the ILP keeps the rest of the plan within
+    the budget less it. Measured on the lowering itself (CPU: a stand-in of the whole batch,
+    then the rank's block), what a microbatch's dropout allocates beyond its result is the
+    whole batch's draw."""
+    from autopar.passes.rules.random import MICROBATCH, dropout_block
+    from autopar.solver.memory import KINDS, draw_bytes, memory_split
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.Dropout(0.1), nn.Linear(256, 8))
+    x, y = torch.randn(32, 64), torch.randn(32, 8)
+    graph = strategies.build(trace_example(model, (x[:8], y[:8]), F.mse_loss), (2,))
+    for m in (1, 4):
+        cost = CostModel(autopar.MeshSpec((2,), hardware="h100"), graph=graph, accumulation=m)
+        assert draw_bytes(graph, cost) == 8 * 256 * m * (2 * 4 + 1)
+        choice = {n: v.strategies[0] for n, v in graph.nodes.items()}
+        split = memory_split(graph, cost, choice)
+        assert split["draws"] == draw_bytes(graph, cost) and set(split) <= set(KINDS)
+    plain = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 8))
+    graph = strategies.build(trace_example(plain, (x, y), F.mse_loss), (2,))
+    cost = CostModel(autopar.MeshSpec((2,), hardware="h100"), graph=graph)
+    assert "draws" not in memory_split(graph, cost, {n: v.strategies[0]
+                                                      for n, v in graph.nodes.items()})
+    # The ILP: within a budget, the plan's peak, draws included, fits it.
+    spec = autopar.MeshSpec((2,), names=("dp",), hardware="cpu")
+    free = autopar.plan(model, spec, (x, y), loss_fn=F.mse_loss, microbatches=4,
+                        memory_budget=float("inf"))
+    assert free.cost.memory["draws"] == 32 * 256 * (2 * 4 + 1)
+    tight = autopar.plan(model, spec, (x, y), loss_fn=F.mse_loss, microbatches=4,
+                         memory_budget=free.cost.peak_memory * 0.95)
+    assert tight.cost.peak_memory <= free.cost.peak_memory * 0.95
+    # The lowering under accumulation over 4 microbatches of 8 rows, rank 1 of 2 (rows 4-7).
+    h = torch.randn(4, 256)
+    MICROBATCH.index = 2
+    try:
+        with _AllocatedBytes() as counted:
+            out = dropout_block(h, 0.1, (32, 256), (256, 1), ((4, 4), (0, 256)), (0, 8))
+    finally:
+        MICROBATCH.index = 0
+    assert out.shape == h.shape
+    beyond = counted.total - 2 * out.untyped_storage().nbytes()  # the block and the result
+    assert beyond == 32 * 256 * 4  # the whole batch's stand-in, drawn into in place
+    assert beyond <= 8 * 256 * 4 * (2 * 4 + 1)  # draw_bytes at m = 4, above
