@@ -149,7 +149,9 @@ def draw_bytes(graph: StrategyGraph, cost: Prices) -> float:
     its drawn elements (the whole batch's under accumulation: `cost.accumulation`) times what
     the lowering holds of each at most (passes/rules/random.py: a stand-in of the input's
     dtype, and the op's outputs on it: for GPU dropout the whole output and its boolean mask,
-    2 x itemsize + 1)."""
+    2 x itemsize + 1). An overcount where attention with dropout runs whole on every rank
+    without accumulation (the fused kernel draws without holding the weights' mask): in any
+    other plan it runs as the math kernel on the whole draw's block."""
     most = 0.0
     for v in graph.nodes.values():
         f = facts(v)
