@@ -16,17 +16,16 @@ Sets and data (S = p v stages; stage s runs on pp rank s mod p)
   k_r          microbatches in flight on pp rank r, per local stage (see `in_flight`)
   M            bytes per device
 Per microbatch of size mb (the graph was priced at batch tb), sigma = mb / tb and
-  t_b = f_b + (t_b(tb) - f_b - d_b) sigma + d_b m sigma + g'_b (m - 1) / m,
-  c_b = c_f + (c_b(tb) - c_f) sigma,   a_b = a_b(tb) sigma
+  t_b = f_b + (t_b(tb) - f_b - d_b) sigma + d_b m sigma + g'_b (m - 1) / m
+  c_b likewise (without d_b and g'_b),   a_b = a_b(tb) sigma
 where f_b is the part that does not shrink with the microbatch (kernel launch floors, collective
-latencies), g'_b the seconds of adding a microbatch's gradients of block b's parameters to
-those of the microbatches before it (autograd's accumulation, from the second microbatch on:
-g'_b (m - 1) / m per microbatch, which t_b includes), and d_b the seconds of block b's random
-draws (dropout masks) at batch tb: every
-microbatch draws what one device draws for the whole batch (m mb = m sigma tb) and keeps its
-own rows, so that a pipelined model draws one device's numbers (passes/rules/random.py). Every
-pp rank also draws every stage's numbers once per step, to move its generator where one device
-has it at each of its stages (runtime/pipeline.py): R = m sigma sum_b d_b seconds, added to the
+latencies); g'_b the seconds of adding a microbatch's gradients of block b's parameters to
+those of the microbatches before it (autograd's accumulation, from the second microbatch on);
+d_b the seconds of block b's random draws (dropout masks) at batch tb: every microbatch draws
+what one device draws for the whole batch (m mb = m sigma tb) and keeps its own rows, so that
+a pipelined model draws one device's numbers (passes/rules/random.py). Every pp rank also
+draws every stage's numbers once per step, to move its generator where one device has it at
+each of its stages (runtime/pipeline.py): R = m sigma sum_b d_b seconds, added to the
 objective.
 Variables
   x[b,s] in {0,1}   block b runs in stage s
