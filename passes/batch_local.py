@@ -12,7 +12,10 @@ dimension (of the planner's strategy graph, or of a mesh of m devices), propagat
 placements each value can have that way, and names the first op that has none; an op
 without a sharding rule counts as one (autopar cannot tell). The loss's own last op (and
 the casts and views after it) is left out: passes/loss_weights.py weighs each microbatch's
-loss so that they add up to the batch's, or refuses.
+loss so that they add up to the batch's, or refuses; the propagation checks that the
+weights it reads hold (`_loss_reduction`: the samples reach that op unreduced, or, for a loss
+`loss_reduction` weighs, the op adds up sums over the batch). A forward that writes buffers
+writes them once per microbatch (`_buffer_writes`).
 
 The same propagation says on which dimension each random op's output carries the batch
 (`batch_dims`): under microbatches such an op draws the whole batch's numbers and keeps the
@@ -53,7 +56,11 @@ def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | Non
                None) if graph is not None else None
     if dim is None:
         graph, dim = strategies.build(program, (m,)), 0
-    why = _propagate(graph, program.inputs, batch, dim, set(loss_tail(program)))[1]
+    tail = loss_tail(program)
+    possible, why = _propagate(graph, program.inputs, batch, dim, set(tail))
+    if not why and tail:
+        why = _loss_reduction(graph, possible, graph.nodes.get(tail[-1]),
+                              of_program(program).kind)
     if len(_CACHE) > 64:
         _CACHE.clear()
     _CACHE[id(program)] = (program, why)
@@ -69,7 +76,28 @@ def split_problem(whole: TracedProgram, m: int, per_rank_inputs: bool = False) -
     if m <= 1:
         return ""
     return of_program(whole, per_rank_inputs).exact() or _unsplit_draws(whole) or \
+        _buffer_writes(whole, m) or \
         mixing(whole, m, next(iter(whole.strategy_graphs.values()), None))
+
+
+def _buffer_writes(whole: TracedProgram, m: int) -> str:
+    """Why the buffers `whole`'s forward writes cannot be split into microbatches, or "":
+    each microbatch's forward would write them once more (a step counter m times), where the
+    whole batch writes them once."""
+    for node in whole.graph.nodes:
+        target = whole.writes.get(node.name)
+        if target is not None and target not in whole.inputs:
+            line = source_line(node)
+            return (f"op {node.target}{f' ({line})' if line else ''} writes the model's buffer "
+                    f"{_buffer_name(whole, target)} in forward, once per call: {m} "
+                    f"microbatches would write it {m} times where the whole batch writes it "
+                    "once")
+    return ""
+
+
+def _buffer_name(program: TracedProgram, placeholder: str) -> str:
+    """The model's name of the buffer a graph input holds, else the input's name."""
+    return program.buffers.get(placeholder, placeholder)
 
 
 # Random ops that can draw the whole batch's numbers in each microbatch (batch_dims);
@@ -166,10 +194,63 @@ def _propagate(graph: strategies.StrategyGraph, inputs: list[str], batch: int, d
     return possible, ""
 
 
+def _loss_reduction(graph: strategies.StrategyGraph, possible: dict, read, kind: str) -> str:
+    """Why the loss's last op `read` (whose reduction passes/loss_weights.py reads as `kind`)
+    does not say how microbatches' losses add up, or "". A kind read from it ("sum", "mean",
+    "targets") holds only when the op reduces the samples themselves: when what reaches it
+    was already summed or averaged over the batch (`loss.mean(0).sum()`), the weights come
+    from that earlier op. Without a kind (`loss_reduction` decides) the op must add up what
+    reaches it (sums of sums over the batch): a ratio of two sums over the batch (a masked
+    mean, `(loss * mask).sum() / mask.sum()`) is not a weighted sum of microbatches'."""
+    if read is None:
+        return ""
+    carried = [i for i, edge in enumerate(read.inputs) if edge in possible]
+    if not carried:
+        return ""
+    if kind:
+        for i in carried:
+            if all(any(is_partial(p) for p in placements)
+                   for placements in possible[read.inputs[i]]):
+                early = graph.nodes[_first_reduction(graph, possible, read.inputs[i][0])]
+                return (f"the loss reduces the batch's samples{_where(early)} ({early.op}) "
+                        f"before its last op {read.op}{_where(read)}, whose reduction autopar "
+                        "reads to weight each microbatch's loss; reduce the samples in the "
+                        "loss's last op (one mean or sum over every dimension)")
+        return ""
+    if any(all(s.inputs[i] in possible[edge] if i in carried else _local(s.inputs[i])
+               for i, edge in enumerate(read.inputs)) for s in read.strategies):
+        return ""
+    return (f"the loss's last op {read.op}{_where(read)} combines sums or means over the "
+            "batch in a way that is not their sum (a ratio of two sums over the batch, as a "
+            "masked mean is), so microbatches' losses cannot be weighted to add up to it")
+
+
+def _first_reduction(graph: strategies.StrategyGraph, possible: dict, name: str) -> str:
+    """The op that summed or averaged the batch's samples into value `name` (or the first
+    such op upstream): the first, going back, whose input still holds samples."""
+    seen, stack = set(), [name]
+    while stack:
+        n = stack.pop()
+        if n in seen or n not in graph.nodes:
+            continue
+        seen.add(n)
+        v = graph.nodes[n]
+        ins = [e for e in v.inputs if e in possible]
+        if any(not any(is_partial(p) for p in placements)
+               for e in ins for placements in possible[e]):
+            return n
+        stack.extend(e[0] for e in ins)
+    return name
+
+
+def _where(v) -> str:
+    return " in the loss function" if "self.loss_fn(" in v.source else \
+        (f" in module {v.module}" if v.module else "") + (f" ({v.source})" if v.source else "")
+
+
 def _mixing_op(v) -> str:
     """Why op `v` mixes the samples of the batch, with where the model makes it."""
-    where = " in the loss function" if "self.loss_fn(" in v.source else \
-        (f" in module {v.module}" if v.module else "") + (f" ({v.source})" if v.source else "")
+    where = _where(v)
     if v.replicated_only:
         return (f"op {v.op}{where} has no sharding rule, so autopar cannot tell whether it "
                 "keeps the samples of the batch apart")

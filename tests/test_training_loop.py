@@ -248,6 +248,80 @@ def test_microbatches_need_a_batch_in_every_input():
         microbatch(whole, 3)
 
 
+def _mean_then_sum(z, y):  # the batch averaged first: the last op's sum is not the weight
+    return F.mse_loss(z, y, reduction="none").mean(0).sum()
+
+
+def _masked_mean(z, y):  # a ratio of two sums over the batch
+    mask = (y[:, 0] > 0).to(z.dtype)
+    return (F.mse_loss(z, y, reduction="none").mean(-1) * mask).sum() / mask.sum()
+
+
+def _sums(z, y):  # a sum of sums over the batch: loss_reduction says which they are
+    return F.mse_loss(z, y, reduction="sum") + z.abs().sum()
+
+
+@pytest.mark.parametrize("loss_fn,where", [
+    (_mean_then_sum, r"reduces the batch's samples in the loss function \(mean.dim\) before "
+                     r"its last op sum.default"),
+    (lambda z, y: F.mse_loss(z, y, reduction="none").sum(0).mean(),
+     r"\(sum.dim_IntList\) before its last op mean.default"),
+    (_masked_mean, r"last op div.Tensor in the loss function combines sums or means over the "
+                   r"batch in a way that is not their sum"),
+], ids=["mean_then_sum", "sum_then_mean", "masked_mean"])
+def test_accumulation_refused_where_the_loss_reduces_the_batch_before_its_last_op(loss_fn,
+                                                                                   where):
+    """Microbatches' losses are weighted by the reduction of the loss's last op: a loss that
+    averaged (or summed) the batch before it, or divides two sums over the batch, would have
+    been weighted m times too much or too little. microbatches= is refused naming the op, and
+    the planner never accumulates such a loss (it once chose to and reported twice the
+    loss); a sum of sums still accumulates, weighted by loss_reduction."""
+    import autopar
+    from autopar.solver.ilp import NoFeasiblePlan
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    mesh = autopar.MeshSpec((2,))
+    with pytest.raises(ValueError, match=rf"microbatches=2: .*{where}"):
+        autopar.plan(_Encoder(), mesh, (x, y), loss_fn=loss_fn, microbatches=2)
+    assert autopar.plan(_Encoder(), mesh, (x, y), loss_fn=_sums,
+                        microbatches=2).accumulation == 2
+    x, y = torch.randn(512, 16, dtype=torch.float64), torch.randn(512, 16, dtype=torch.float64)
+    mesh = autopar.MeshSpec((2,), hardware="cpu")
+    whole = autopar.plan(_Encoder().double(), mesh, (x, y), loss_fn=_sums,
+                         memory_budget=float("inf")).cost.memory
+    budget = sum(whole.values()) - whole["activations"] / 2  # only microbatches fit
+    assert autopar.plan(_Encoder().double(), mesh, (x, y), loss_fn=_sums,
+                        memory_budget=budget).accumulation > 1
+    with pytest.raises(NoFeasiblePlan, match=rf"accumulation would not compute .*{where}"):
+        autopar.plan(_Encoder().double(), mesh, (x, y), loss_fn=loss_fn, memory_budget=budget)
+
+
+class _Counted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):  # a step counter: written once per call
+        self.calls.add_(1)
+        return self.a(x) * (1 + 0.1 * self.calls)
+
+
+def test_accumulation_refused_where_forward_writes_a_buffer():
+    """A buffer forward writes (a step counter) would be written once per microbatch, where
+    the whole batch writes it once: microbatches= above 1 is refused naming it, for gradient
+    accumulation and for a pipeline."""
+    import autopar
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"microbatches=2: .*add_.Tensor \(File .*"
+                                         r"self.calls.add_\(1\).* writes the model's buffer "
+                                         r"calls in forward, once per call: 2 microbatches "
+                                         r"would write it 2 times"):
+        autopar.plan(_Counted(), autopar.MeshSpec((2,)), (x, y), loss_fn=F.mse_loss,
+                     microbatches=2)
+    assert autopar.plan(_Counted(), autopar.MeshSpec((2,)), (x, y), loss_fn=F.mse_loss,
+                        microbatches=1).accumulation == 1
+
+
 def test_planner_never_accumulates_a_loss_that_mixes_samples():
     """Under a budget the whole batch does not fit, the planner would accumulate; a loss
     comparing every sample with every other makes it say why it cannot instead."""
