@@ -36,11 +36,19 @@ from torch.distributed.tensor import Replicate
 from autopar.passes import strategies as strat_pass
 from autopar.passes.batch_local import batch_dims, split_problem
 from autopar.passes.loss_weights import LossWeights, microbatch_weights, of_program
-from autopar.passes.pipeline_split import ValueMeta, layer_blocks, split_stages
+from autopar.passes.pipeline_split import ValueMeta, buffer_writes, layer_blocks, split_stages
 from autopar.passes.recompute_regions import wrap_recomputed
 from autopar.passes.rewrite import rewrite
 from autopar.passes.torch_compat import persistent_buffers
-from autopar.passes.trace import TracedProgram, TraceError, meta_copy, trace, untraced_hooks
+from autopar.passes.trace import (
+    TracedProgram,
+    TraceError,
+    meta_copy,
+    running_stat_writes,
+    source_line,
+    trace,
+    untraced_hooks,
+)
 from autopar.passes.trace_values import changed
 from autopar.passes.zero import zero_shard
 from autopar.runtime.collectives import MeshComm
@@ -112,7 +120,8 @@ class Parallelized(nn.Module):
     trains: forward and backward on the batch, returning the loss; `pmodel(*inputs, **kwargs)`
     infers, returning what the model returns, whole. `parameters()` / `named_parameters()` are
     this rank's shards as DTensors under the model's names; `.plan` is the plan that ran last.
-    `train()` / `eval()` switch between programs traced in each mode.
+    `train()` / `eval()` switch between programs traced in each mode (a pipelined model runs
+    the one traced at its build, and refuses modes in which the model computes other ops).
     """
 
     def __init__(self, model: nn.Module, mesh, spec: MeshSpec, options: PlanOptions, loss_fn,
@@ -398,9 +407,7 @@ class Parallelized(nn.Module):
 
     def _trace(self, call: Call, with_loss: bool) -> TracedProgram:
         model = self._meta.obj
-        modes = {name: m.training for name, m in self.named_modules()}
-        for name, m in model.named_modules():  # each module in its own mode (see __init__)
-            m.training = modes.get(name, self.training)
+        self._set_modes(model)
         traced_call = on_meta(call)
         if self._options.per_rank_inputs:
             traced_call = global_call(call, pieces_of(self._spec.shape, self._spec.names,
@@ -412,6 +419,17 @@ class Parallelized(nn.Module):
                          traced_call.target, kwargs=dict(traced_call.kwargs),
                          output_loss=with_loss if self._loss_fn is None else False,
                          device=self._device, compute_dtype=self._compute_dtype)
+
+    def _module_modes(self) -> dict[str, bool]:
+        """The train / eval flag of every module, by its name in the model ("" the model)."""
+        return {name: m.training for name, m in self.named_modules()}
+
+    def _set_modes(self, model: nn.Module) -> None:
+        """Each module of `model` (the meta copy) in the mode its module here has (see
+        __init__), before a trace."""
+        modes = self._module_modes()
+        for name, m in model.named_modules():
+            m.training = modes.get(name, self.training)
 
     def _plan_for(self, trace_at, batch: int | None, accumulate: bool) -> Plan:
         """The plan for the model traced by `trace_at(microbatches)` (on `batch`): the given
@@ -583,16 +601,13 @@ class Parallelized(nn.Module):
                          "them before its first step, or hold a value that changes in a "
                          "tensor (a buffer of the model, or a tensor the loss function "
                          "captures, changed in place)")
+        if error is None and self._pipeline is not None:
+            error = self._pipeline_modes_error()
         rows = self._agree_inputs(call, error, "step()" if step else "the forward call",
                                   moved=moved)
         if self._pipeline is None:
             self._build_pipeline(args)
         self._check_random_states(self._pipeline.random_ops, rows)
-        if not self.training and self._pipeline.random_ops:
-            raise agreed(NotImplementedError(
-                "pipelined models run the program traced in training mode; this model draws "
-                "random numbers there (" + "; ".join(self._pipeline.random_ops[:3]) + "), so "
-                "eval() cannot be honoured: evaluate it without a pp mesh dimension"))
         if not step:
             return self._pipeline.infer(*args)
         m = self._pipeline.plan.pipeline.microbatches
@@ -607,11 +622,48 @@ class Parallelized(nn.Module):
             raise agreed(ValueError("a pipelined model trains through step(): pass loss_fn= to "
                                     "parallelize (pipelined inference alone is not supported)"))
         example_inputs = tuple(example_inputs)
+        self._set_modes(self._meta.obj)  # traced in the modes set on this model now
         self._guards.sync(self, self._meta.obj)
         with self._guards.reading(self._meta.obj):
             pipeline = self._build_pipeline_traced(example_inputs)
         pipeline.values = self._guards.fingerprint(self)  # with what the trace found it reads
+        pipeline.modes = self._module_modes()
+        pipeline.example = tuple(torch.empty_like(t, device="meta") for t in example_inputs)
+        pipeline.in_modes = {tuple(sorted(pipeline.modes.items())): None}
         return pipeline
+
+    def _pipeline_modes_error(self) -> str | None:
+        """Why the pipelined program cannot run in the modules' modes now (None when they are
+        those it was traced in, or when the model traces to the same program in them: a model
+        without dropout or BatchNorm), found once for each set of modes."""
+        pipeline = self._pipeline
+        now = self._module_modes()
+        key = tuple(sorted(now.items()))
+        if key not in pipeline.in_modes:
+            pipeline.in_modes[key] = self._modes_problem(pipeline.modes, now)
+        return pipeline.in_modes[key]
+
+    def _modes_problem(self, then: dict[str, bool], now: dict[str, bool]) -> str | None:
+        """`_pipeline_modes_error` for modes it has not met: the meta copy traced in `now`,
+        compared op by op with the pipelined program (traced in `then`)."""
+        pipeline, model = self._pipeline, self._meta.obj
+        self._set_modes(model)
+        self._guards.sync(self, model)
+        m = pipeline.plan.pipeline.microbatches
+        try:
+            program = pipeline_tracer(model, pipeline.example, self._loss_fn, self._device,
+                                      self._compute_dtype)(m)
+            if _ops_of(program) == pipeline.ops:
+                return None
+            why = "the model computes other ops in them (dropout, BatchNorm's statistics)"
+        except Exception as e:  # noqa: BLE001 - reported on every rank as the reason
+            why = f"the model does not trace in them ({type(e).__name__}: {e})"
+        return (f"the modules' train / eval modes changed since this pipelined model was "
+                f"traced ({_modes_changed(then, now)}) and {why}; a pipelined model runs the "
+                "one program traced at its build (parallelize's example_inputs=, else the "
+                "first step). Set the modes on the model before parallelize (model.train() "
+                "or model.eval(), and a submodule's own) and keep them, or plan without a pp "
+                "mesh dimension to switch between training and eval programs")
 
     def _build_pipeline_traced(self, example_inputs: tuple) -> PipelineModule:
         """`_build_pipeline`, its model's values synced and its reads watched."""
@@ -668,6 +720,8 @@ class Parallelized(nn.Module):
         train = split_stages(programs.train, graph, stage_of, kinds, pipe.num_stages)
         infer = split_stages(programs.infer, graph, stage_of, kinds, pipe.num_stages)
         p = mesh.shape[pp]
+        written = self._agreed("matching the plan to the model",
+                               lambda: written_buffers(program, train + infer, p))
         mine, _, _ = stage_parameters(train + infer, program.params, p, coords[pp])
         submesh = mesh[tuple(mesh.mesh_dim_names[k] for k in dims)] if dims else None
         self._full_meta = {n: (tuple(t.shape), t.dtype)
@@ -683,8 +737,9 @@ class Parallelized(nn.Module):
             chosen, train, infer, program.params, self._store, constants, comm,
             mesh.get_group(pp), coords[pp], list(program.inputs), roots, program.out_spec,
             num_inputs, programs.loss_placement, self._device, self._full_meta,
-            self._compute_dtype)
+            self._compute_dtype, written)
         self._pipeline.random_ops = program.random_ops
+        self._pipeline.ops = _ops_of(program)
         self._pipeline.loss_weights = of_program(program)
         self._last_plan = chosen
         return self._pipeline
@@ -832,6 +887,47 @@ def batch_size(example_inputs) -> int:
         raise ValueError("pipelining splits the batch into microbatches along dimension 0 of "
                          f"every input and the target, which must agree; got shapes {shapes}")
     return sizes.pop()
+
+
+def _ops_of(program: TracedProgram) -> list[tuple[str, str]]:
+    """The program's nodes as (kind, target, arguments): equal for two traces computing the
+    same ops (eval mode may keep an op and change its arguments: aten.dropout's `train`)."""
+    return [(n.op, str(n.target), repr(n.args), repr(n.kwargs)) for n in program.graph.nodes]
+
+
+def _modes_changed(then: dict[str, bool], now: dict[str, bool]) -> str:
+    """The modules whose mode differs between `then` and `now`, in words."""
+    mode = {True: "training mode", False: "eval mode"}
+    moved = [name for name in now if then.get(name, now[name]) != now[name]]
+    if len(moved) == len(now) and len(set(now.values())) == 1:
+        return f"the model was in {mode[then['']]}, now in {mode[now['']]}"
+    shown = ", ".join(f"{name or 'the model'} now in {mode[now[name]]}" for name in moved[:4])
+    return shown + (f" and {len(moved) - 4} more" if len(moved) > 4 else "")
+
+
+def written_buffers(program: TracedProgram, stages: list, p: int) -> dict[str, int]:
+    """The buffer placeholders the stage programs write in forward, with the pp rank (of `p`)
+    whose stage writes each. A buffer written on two pp ranks, or read on a pp rank other
+    than its writer's, is an error naming it and its model line: within a step the ranks'
+    copies would differ."""
+    nodes = {n.name: n for n in program.graph.nodes}
+    out = {}
+    for ph, writers in sorted(buffer_writes(stages).items()):
+        ranks = {s % p for s in writers}
+        readers = {prog.index for prog in stages if ph in prog.constants}
+        if len(ranks) == 1 and {s % p for s in readers} <= ranks:
+            out[ph] = ranks.pop()
+            continue
+        writes = {**program.writes, **running_stat_writes(program.graph_module)}
+        lines = sorted({source_line(nodes[n]) or n for n in
+                        (key.split(":")[0] for key, base in writes.items() if base == ph)
+                        if n in nodes})
+        raise ValueError(
+            f"buffer {program.buffers.get(ph, ph)} is written in forward (at "
+            f"{'; '.join(lines)}) by pipeline stage(s) {sorted(writers)} and used by stage(s) "
+            f"{sorted(readers)}, which run on more than one pp rank: their copies of it would "
+            "differ within a step. Plan this model without a pp mesh dimension")
+    return out
 
 
 def pipeline_tracer(model, example_inputs, loss_fn, device=None, dtype=None):

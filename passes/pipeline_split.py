@@ -14,7 +14,8 @@ it (`passes.emitted`).
 Every value a later stage needs is sent to the next stage and passed on from stage to stage
 until its last use (skip connections cross any number of cuts); values computed only from
 constants (positions, rotary tables, masks) are recomputed in each stage instead; user inputs
-reach every stage directly.
+reach every stage directly. An op writing into a buffer runs in its own stage only
+(`buffer_writes` finds them: the runtime sends the buffer's new value to the other pp ranks).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.fx as fx
 
 from .emitted import Emitted, emitted
 from .strategies import CONSTANT, OP, StrategyGraph
-from .trace import TracedProgram
+from .trace import TracedProgram, input_writes, running_stat_writes
 
 
 @dataclass
@@ -151,11 +152,14 @@ def split_stages(gm: fx.GraphModule, graph: StrategyGraph, stage_of: dict[str, i
     # its own parameter shards and the constants), what is computed from constants alone, and
     # the resharding of placeholders (a parameter's all-gather, or its bucket's start and
     # wait, runs in each stage using it).
+    # An op writing into a buffer (BatchNorm's num_batches_tracked += 1) runs once, in its own
+    # stage, even when it reads constants alone: recomputed where needed, it would never run.
+    writes = set(input_writes(gm, set()))
     const: set[fx.Node] = set()
     for n in nodes:
         if n.op == "placeholder":
             const.add(n)
-        elif n.op == "call_function":
+        elif n.op == "call_function" and n.name not in writes:
             ins = n.all_input_nodes
             if origin[n] is not None:
                 if graph.nodes[origin[n]].kind == CONSTANT:
@@ -252,3 +256,15 @@ def _value_meta(n: fx.Node, record: Emitted) -> ValueMeta:
         raise SplitError(f"{n.name} ({record.role} of {record.origin}) would cross a stage "
                          "boundary, but it is not one tensor")
     return ValueMeta(record.shape, record.dtype, record.requires_grad)
+
+
+def buffer_writes(stages: list[StageProgram]) -> dict[str, set[int]]:
+    """The buffer placeholders the stage programs write into in forward (BatchNorm's running
+    statistics, a router's token counts), with the stages that write each."""
+    out: dict[str, set[int]] = {}
+    for prog in stages:
+        writes = {**input_writes(prog.module, set()), **running_stat_writes(prog.module)}
+        for ph in writes.values():
+            if ph in prog.constants:
+                out.setdefault(ph, set()).add(prog.index)
+    return out

@@ -616,6 +616,30 @@ def input_writes(gm: fx.GraphModule, params: set[str]) -> dict[str, str]:
     return out
 
 
+# Composite norms whose schema does not mark the running statistics they update in training
+# mode: the position of the `training` flag and of the running statistics.
+_RUNNING_STATS = {torch.ops.aten.batch_norm.default: (5, (3, 4)),
+                  torch.ops.aten.instance_norm.default: (5, (3, 4))}
+
+
+def running_stat_writes(gm: fx.GraphModule) -> dict[str, str]:
+    """The norms of `gm` that update running statistics held in graph inputs (BatchNorm in
+    training mode: aten.batch_norm, whose schema does not say it writes them), as
+    {node: input}, one entry per input (input_writes misses these)."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _RUNNING_STATS:
+            continue
+        flag, stats = _RUNNING_STATS[node.target]
+        if len(node.args) <= flag or node.args[flag] is not True:
+            continue
+        for i in stats:
+            base = _base(node.args[i])
+            if base is not None:
+                out[f"{node.name}:{i}"] = base.name
+    return out
+
+
 def _base(value) -> fx.Node | None:
     """The graph input `value` is (a view of), or None."""
     while isinstance(value, fx.Node):

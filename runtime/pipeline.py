@@ -13,6 +13,10 @@ so the accumulated gradients equal those of the whole batch. After the schedule,
 parameters stored replicated are summed over those mesh dimensions, and a parameter used by
 stages on several pp ranks (tied embeddings) has its copies' gradients summed over the pp group:
 every copy then takes the same optimizer step.
+
+Buffers written in forward (BatchNorm's running statistics) are written by the one stage that
+runs the op; after each call that stage's pp rank broadcasts them over the pp group, so every
+rank holds one device's buffers.
 """
 
 from __future__ import annotations
@@ -125,11 +129,15 @@ class PipelineModule:
                  constants: dict[str, torch.Tensor], comm: SubmeshComm, pp_group,
                  pp_coord: int, input_names: list[str], root_inputs: list[ValueMeta], out_spec,
                  num_inputs: int, loss_placement, device: torch.device,
-                 full_meta: dict[str, tuple], compute_dtype: torch.dtype | None = None):
+                 full_meta: dict[str, tuple], compute_dtype: torch.dtype | None = None,
+                 written: dict[str, int] | None = None):
         """`store` holds this rank's shards of the parameters its stages use (see
         `stage_parameters`); `full_meta` the whole shape and dtype of every parameter;
-        `compute_dtype` the dtype the stage programs compute in (mixed precision)."""
+        `compute_dtype` the dtype the stage programs compute in (mixed precision); `written`
+        the buffer placeholders a stage writes in forward, with the pp rank of that stage
+        (after a call that rank sends the buffer's value to the others)."""
         pipe = plan.pipeline
+        self._written = [(constants[ph], src) for ph, src in sorted((written or {}).items())]
         self._compute_dtype = compute_dtype
         self.plan = plan
         self._pipe = pipe
@@ -286,6 +294,7 @@ class PipelineModule:
             sum_grads(params, self._comm.groups[k])
         self._sync_shared()
         self._store.push_grads()
+        self._sync_buffers()
         loss = torch.zeros((), dtype=self._loss_dtype, device=self._device)
         if self._coord == self._last_rank:
             # a microbatch of weight 0 (all its targets ignored: its mean is 0 / 0) adds
@@ -337,6 +346,13 @@ class PipelineModule:
         torch_compat.all_reduce(flat, group=self._group)
         write_grads(params, unflatten(flat, shapes))
 
+    def _sync_buffers(self) -> None:
+        """Every pp rank's copy of each buffer written in forward takes the value of the pp
+        rank whose stage wrote it (in one order on every rank), so that state_dict() and
+        checkpoints hold one device's buffers on every rank."""
+        for buffer, src in self._written:
+            dist.broadcast(buffer, src=dist.get_global_rank(self._group, src), group=self._group)
+
     def _local_shape(self, name: str) -> tuple[int, ...]:
         return tuple(local_shape(self._full_meta[name][0], self.plan.parameters[name],
                                  self._sub_shape))
@@ -354,6 +370,7 @@ class PipelineModule:
                 self._infer.step(*first, return_outputs=False, **feeds)
         finally:
             self._end_draws()
+        self._sync_buffers()
         m = self._pipe.microbatches
         outs = []
         for i, meta in enumerate(self._outputs):

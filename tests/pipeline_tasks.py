@@ -10,7 +10,10 @@ from __future__ import annotations
 import copy
 import json
 
+import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
@@ -78,6 +81,84 @@ def expect_error(kind: str) -> str:
         return f"{type(e).__name__}: {e}"
     return "no error"
 
+
+class NormedBlocks(nn.Module):
+    """Four residual blocks h + tanh(norm(Linear(h))), the norm BatchNorm ("bn") or dropout
+    ("dropout"): ops whose train and eval modes differ."""
+
+    def __init__(self, norm: str):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.lins = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.norms = nn.ModuleList([nn.BatchNorm1d(16) if norm == "bn" else nn.Dropout(0.3)
+                                    for _ in range(4)])
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for lin, norm in zip(self.lins, self.norms):
+            h = h + torch.tanh(norm(lin(h)))
+        return self.out(h)
+
+
+def _normed(norm: str):
+    torch.manual_seed(0)
+    model = NormedBlocks(norm).double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    return model, copy.deepcopy(model), x, torch.randint(0, 4, (8,))
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def modes(kind: str) -> str | float:
+    """A pipelined model's train / eval modes. "train_set_before_build": the model in eval
+    mode at parallelize (as from_pretrained leaves it), pmodel.train() before the first step:
+    returns the largest loss difference to one device training with dropout.
+    "train_after_build" and "eval_after_training": the modes changed after the build, where
+    the model computes other ops: returns the error's message."""
+    mesh = mesh_for((2,), ("pp",))
+    model, ref, x, y = _normed("bn" if kind == "eval_after_training" else "dropout")
+    if kind == "eval_after_training":
+        pm = autopar.parallelize(model, mesh, loss_fn=F.cross_entropy, example_inputs=(x, y),
+                                 microbatches=1)
+        pm.step(x, y)
+        pm.eval()
+        with torch.no_grad():
+            return _error(lambda: pm(x))
+    model.eval()
+    given = {"example_inputs": (x, y)} if kind == "train_after_build" else {}
+    pm = autopar.parallelize(model, mesh, loss_fn=F.cross_entropy, microbatches=2, **given)
+    pm.train()
+    ref.train()
+    if kind == "train_after_build":
+        return _error(lambda: pm.step(x, y))
+    worst = 0.0
+    for step in range(2):
+        torch.manual_seed(7 + step)
+        loss = pm.step(x, y)
+        torch.manual_seed(7 + step)
+        worst = max(worst, abs(float(loss - F.cross_entropy(ref(x), y))))
+    return worst
+
+
+def written_buffers() -> None:
+    """BatchNorm's running statistics, written in forward by one stage: after two steps every
+    rank's state_dict() and full_state_dict() hold one device's buffers."""
+    model, ref, x, y = _normed("bn")
+    pm = autopar.parallelize(model, mesh_for((2,), ("pp",)), loss_fn=F.cross_entropy,
+                             example_inputs=(x, y), microbatches=1)
+    for _ in range(2):
+        pm.step(x, y)
+        F.cross_entropy(ref(x), y)
+    want = dict(ref.named_buffers())
+    rank_tasks.check_equal("buffer", pm.state_dict(), want)
+    rank_tasks.check_equal("buffer", pm.full_state_dict(), want)
 
 
 def mixed_precision_errors(shape: tuple[int, ...], names: tuple[str, ...], **options) -> dict:

@@ -636,3 +636,21 @@ def test_pipelined_errors_reach_every_rank(world2):
     msgs = world2.run(pipeline_tasks.expect_error, "samples_mix")
     assert all(m.startswith("ValueError: microbatches=2: a pipeline schedule would not") and
                "mixes the samples" in m for m in msgs), msgs
+
+
+def test_a_pipelined_model_runs_in_the_modes_set_or_refuses(world2):
+    # eval at parallelize (as from_pretrained leaves a model), train() before the first step:
+    # dropout trains as on one device
+    worst = world2.run(pipeline_tasks.modes, "train_set_before_build")
+    assert max(worst) < 1e-12, worst
+    # modes changed after the build, where the model computes other ops: an error on every
+    # rank (before, dropout was never applied, and eval mode used BatchNorm's batch statistics)
+    msgs = world2.run(pipeline_tasks.modes, "train_after_build")
+    assert all(m.startswith("RankError") and "was in eval mode, now in training mode" in m
+               and "before parallelize" in m for m in msgs), msgs
+    msgs = world2.run(pipeline_tasks.modes, "eval_after_training")
+    assert all("was in training mode, now in eval mode" in m for m in msgs), msgs
+
+
+def test_buffers_written_in_a_stage_are_current_on_every_rank(world2):
+    world2.run(pipeline_tasks.written_buffers)
