@@ -19,15 +19,24 @@ plan did not price.
 
 Ops the model itself runs under `torch.utils.checkpoint` (non-reentrant) are recomputed in
 full unless the plan says otherwise (`PlanOptions.recompute="none"`).
+
+State updated in forward (a buffer written in place: BatchNorm's running statistics in training
+mode, a counter) is updated once per forward, as on one device: the plan recomputes no op that
+writes it (run again in backward, it would take the update twice) or reads it (it would read
+it updated), `run_once`. Such an op keeps what it keeps without recomputation and cuts its
+block's recomputed run in two; each run is priced as the rank runs it (`Recompute.block_of`
+gives every run its own number). Ops the model itself checkpoints are recomputed as it wrote
+them, writes included (torch.utils.checkpoint on one device updates such state twice too).
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 from .pipeline_split import layer_blocks
 from .strategies import OP, SNode, StrategyGraph
-from .trace import TracedProgram
+from .trace import TracedProgram, input_base, running_stat_writes
 
 MODES = ("none", "selective", "full")
 
@@ -48,12 +57,13 @@ def saved_under_selective(node: SNode, product) -> bool:
 @dataclass(frozen=True)
 class Recompute:
     """The recomputation of one plan: the mode of every recomputed op (traced node name ->
-    "selective" | "full") and its layer block, the blocks' names, and `transient`: the ops of one
-    recomputed block, priced as kept (backward recomputes one block at a time, so one block's
-    activations are live again at the peak)."""
+    "selective" | "full") and its run (`block_of`: the number of the checkpointed run of its
+    layer block it runs in, one per block unless ops that run once cut it), the blocks' names,
+    and `transient`: the ops of one recomputed block, priced as kept (backward recomputes one
+    block at a time, so one block's activations are live again at the peak)."""
 
     mode_of: dict[str, str] = field(default_factory=dict)
-    block_of: dict[str, int] = field(default_factory=dict)  # recomputed op -> its block
+    block_of: dict[str, int] = field(default_factory=dict)  # recomputed op -> its run
     blocks: tuple[str, ...] = ()
     transient: frozenset[str] = frozenset()
     user: tuple[str, ...] = ()   # blocks the model checkpoints itself (torch.utils.checkpoint)
@@ -85,12 +95,54 @@ class Recompute:
 
 NONE = Recompute()
 
+def updated_state(program: TracedProgram) -> dict[str, set[str]]:
+    """The ops of `program` that write into a graph input in forward, with what they write:
+    `program.writes`, and norms in training mode (their running statistics, which
+    aten.batch_norm's schema does not declare: `running_stat_writes`)."""
+    out = {n: {i} for n, i in program.writes.items()}
+    for key, base in running_stat_writes(program.graph_module).items():
+        out.setdefault(key.split(":")[0], set()).add(base)
+    return out
+
+
+def run_once(program: TracedProgram) -> frozenset[str]:
+    """The ops of `program` that must run once per forward, never again in backward: those that
+    update state in place (`updated_state`), which would take the update twice, and those that
+    read that state (through views too), which would read it updated."""
+    writers = updated_state(program)
+    state = set().union(*writers.values())
+    readers = {node.name for node in program.graph.nodes if node.op == "call_function" and any(
+        (base := input_base(a)) is not None and base.name in state
+        for a in node.all_input_nodes)}
+    return frozenset(writers) | readers
+
+
+def _runs(program: TracedProgram, mode_of: dict[str, str],
+          block_of: dict[str, int]) -> dict[str, int]:
+    """The run of every recomputed op (`mode_of`, in layer blocks `block_of`): the maximal runs
+    of consecutive ops, in the program's order, of one block and mode, numbered from 0. The
+    rank's program emits the ops in this order and checkpoints these runs
+    (passes/recompute_regions.py): an op that is not recomputed ends a run."""
+    run_of: dict[str, int] = {}
+    key, count = None, -1
+    for node in program.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        mode = mode_of.get(node.name)
+        k = None if mode is None else (block_of[node.name], mode)
+        if k is not None and k != key:
+            count += 1
+        key = k
+        if k is not None:
+            run_of[node.name] = count
+    return run_of
+
 
 def recompute_plan(program: TracedProgram, graph: StrategyGraph, mode: str,
                    keep_user: bool = True) -> Recompute:
-    """Recompute every layer block of `graph` in `mode` ("none", "selective" or "full"); with
-    `keep_user`, the ops the model runs under torch.utils.checkpoint recompute in full
-    whatever `mode` is."""
+    """Recompute every layer block of `graph` in `mode` ("none", "selective" or "full"), but
+    not its ops that must run once (`run_once`); with `keep_user`, the ops the model runs under
+    torch.utils.checkpoint recompute in full whatever `mode` is."""
     if mode not in MODES:
         raise ValueError(f"recompute must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
     blocks = layer_blocks(program, graph)
@@ -103,7 +155,8 @@ def recompute_plan(program: TracedProgram, graph: StrategyGraph, mode: str,
                     if graph.nodes[n].kind == OP and graph.nodes[n].requires_grad}
     mode_of: dict[str, str] = {}
     if mode != "none":
-        mode_of = {n: mode for n in recomputable if blocks.of_node[n] in layers}
+        once = run_once(program)
+        mode_of = {n: mode for n in recomputable - once if blocks.of_node[n] in layers}
     user = program.checkpointed & recomputable
     if keep_user:
         mode_of.update(dict.fromkeys(user, "full"))
@@ -116,6 +169,6 @@ def recompute_plan(program: TracedProgram, graph: StrategyGraph, mode: str,
         size = {b: sum(1 for n in mode_of if blocks.of_node[n] == b) for b in chosen}
         peak = max(chosen, key=lambda b: size[b])
         transient = frozenset(n for n in mode_of if blocks.of_node[n] == peak)
-    return Recompute(mode_of, {n: blocks.of_node[n] for n in mode_of},
+    return Recompute(mode_of, _runs(program, mode_of, blocks.of_node),
                      tuple(blocks.names[b] for b in chosen), transient,
                      tuple(blocks.names[b] for b in sorted(user_blocks)), keep_user)

@@ -2,8 +2,9 @@
 
 The ops a plan recomputes (passes/recompute.py, by traced node) are found in the rank's
 program by the record the rewrite left on every node (`passes.emitted`). Each maximal run of
-consecutive local ops of one block and one mode becomes one submodule called through
-`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: in forward it runs and keeps
+consecutive local ops of one run of a block (`Recompute.block_of`) and one mode becomes one
+submodule called through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: in
+forward it runs and keeps
 only its inputs (full recomputation), or also the outputs of its products and attention
 (selective: a `create_selective_checkpoint_contexts` policy); in backward it runs again first.
 

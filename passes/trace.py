@@ -604,7 +604,7 @@ def input_writes(gm: fx.GraphModule, params: set[str]) -> dict[str, str]:
         for i, arg in enumerate(schema.arguments):
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
-            base = _base(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+            base = input_base(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
             if base is None:
                 continue
             if base.name in params:
@@ -619,6 +619,7 @@ def input_writes(gm: fx.GraphModule, params: set[str]) -> dict[str, str]:
 # Composite norms whose schema does not mark the running statistics they update in training
 # mode: the position of the `training` flag and of the running statistics.
 _RUNNING_STATS = {torch.ops.aten.batch_norm.default: (5, (3, 4)),
+                  torch.ops.aten.native_batch_norm.default: (5, (3, 4)),
                   torch.ops.aten.instance_norm.default: (5, (3, 4))}
 
 
@@ -634,13 +635,13 @@ def running_stat_writes(gm: fx.GraphModule) -> dict[str, str]:
         if len(node.args) <= flag or node.args[flag] is not True:
             continue
         for i in stats:
-            base = _base(node.args[i])
+            base = input_base(node.args[i])
             if base is not None:
                 out[f"{node.name}:{i}"] = base.name
     return out
 
 
-def _base(value) -> fx.Node | None:
+def input_base(value) -> fx.Node | None:
     """The graph input `value` is (a view of), or None."""
     while isinstance(value, fx.Node):
         if value.op == "placeholder":

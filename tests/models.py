@@ -65,6 +65,47 @@ class ResidualBlock(nn.Module):
         return x + self.drop(self.fc2(self.act(self.fc1(self.norm(x)))))
 
 
+class StatefulBlock(nn.Module):
+    """x + tanh(state(Linear(x))), where `state` updates a buffer in forward: BatchNorm in
+    training mode ("batchnorm": its running statistics), or an offset added to the features
+    and then advanced by `step` under torch.no_grad() ("offset")."""
+
+    def __init__(self, width, state="batchnorm", step=0.1):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.state, self.step = state, step
+        if state == "batchnorm":
+            self.bn = nn.BatchNorm1d(width)
+        else:
+            self.register_buffer("offset", torch.zeros(width))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.state == "batchnorm":
+            return x + torch.tanh(self.bn(h))
+        h = torch.tanh(h + self.offset)
+        with torch.no_grad():
+            self.offset.add_(self.step)
+        return x + h
+
+
+class StatefulMLP(nn.Module):
+    """An input layer, `depth` StatefulBlocks and an output layer. The offset blocks advance by
+    different steps (the layers are not copies of each other)."""
+
+    def __init__(self, d_in, width, d_out, depth, state="batchnorm"):
+        super().__init__()
+        self.inp, self.out = nn.Linear(d_in, width), nn.Linear(width, d_out)
+        self.blocks = nn.ModuleList([StatefulBlock(width, state, 0.1 * (i + 1))
+                                     for i in range(depth)])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
 class ResidualMLP(nn.Module):
     """depth blocks of x = x + dropout(Linear(act(Linear(norm(x)))))."""
 

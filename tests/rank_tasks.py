@@ -118,6 +118,9 @@ def build(name):
     elif name == "no_grad_region":  # a gate computed under torch.no_grad() in forward
         return _NoGradGate(), torch.nn.functional.cross_entropy, (
             torch.randn(8, 16), torch.randint(0, 8, (8,)))
+    elif name in ("batchnorm_blocks", "offset_blocks"):  # layer blocks that update a buffer
+        return models.StatefulMLP(8, 16, 4, 3, name.partition("_")[0]), \
+            torch.nn.functional.cross_entropy, (torch.randn(8, 8), torch.randint(0, 4, (8,)))
     elif name == "unsupported":  # aten.flip has no sharding rule
         return _Flipped(), torch.nn.functional.cross_entropy, (
             torch.randn(4, 8), torch.randint(0, 8, (4,)))

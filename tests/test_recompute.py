@@ -138,6 +138,25 @@ def test_model_checkpointing_trains_as_on_one_device(world2):
     assert plan["recompute"]["user"]
 
 
+@pytest.mark.parametrize("name", ["batchnorm_blocks", "offset_blocks"])
+def test_state_updated_in_forward_is_updated_once(world2, name):
+    """Layer blocks that update a buffer in forward (BatchNorm's running statistics in training
+    mode; an offset read, then advanced under torch.no_grad()) train as on one device under
+    full and selective recomputation: buffers, losses and parameters after two steps. The ops
+    that write or read the buffer run once (backward does not run them again, which would
+    update the buffer twice, or read it updated); they cut each block's recomputed run in two,
+    and the plan numbers (prices) the runs the ranks checkpoint."""
+    for mode in ("full", "selective"):
+        plan = world2.run(rank_tasks.train_equivalence, name, (2,), "data",
+                          options={"recompute": mode, "microbatches": 1})[0]["recompute"]
+        recomputed = set(plan["mode_of"])
+        assert {"linear_1", "tanh"} <= recomputed  # the first block's product and activation
+        assert not {"batch_norm", "add_"} & recomputed  # the norm, the offset's update
+        if name == "offset_blocks":
+            assert "add" not in recomputed  # reads the offset
+        assert len(set(plan["block_of"].values())) > len(plan["blocks"]) == 3
+
+
 def test_measured_activations_follow_the_prediction(world2):
     """What a step holds from forward into backward, measured on the ranks (the profiler's
     tensor allocations less frees), is within 10% of the plan's predicted activations with no,
