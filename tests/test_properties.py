@@ -66,9 +66,10 @@ def model_specs(draw):
     return kind, cfg
 
 
-# bf16-mixed runs on random plans in its own test below, against a rounding bound. Two fifths
-# of the profile's examples (24 in CI, about 2.5 s each; the soak profile runs 400).
-@settings(deadline=None, max_examples=max(4, settings.default.max_examples * 2 // 5),
+# bf16-mixed runs on random plans in its own test below, against a rounding bound. Half the
+# profile's examples (30 in CI, about 2.5 s each; the soak profile runs 500). (24 examples,
+# derandomized, drew heavier models and took longer than these 30.)
+@settings(deadline=None, max_examples=max(4, settings.default.max_examples // 2),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(spec=model_specs(), mesh=st.sampled_from(MESHES), seed=st.integers(0, 2**20),
        recompute=st.sampled_from(["none", "selective", "full"]))
