@@ -647,10 +647,10 @@ class Parallelized(nn.Module):
         """`_pipeline_modes_error` for modes it has not met: the meta copy traced in `now`,
         compared op by op with the pipelined program (traced in `then`)."""
         pipeline, model = self._pipeline, self._meta.obj
-        self._set_modes(model)
-        self._guards.sync(self, model)
         m = pipeline.plan.pipeline.microbatches
         try:
+            self._set_modes(model)
+            self._guards.sync(self, model)
             program = pipeline_tracer(model, pipeline.example, self._loss_fn, self._device,
                                       self._compute_dtype)(m)
             if _ops_of(program) == pipeline.ops:
@@ -686,7 +686,8 @@ class Parallelized(nn.Module):
             graph = strat_pass.build(program, spec.without(pipe.mesh_dim).shape)
             choice = choice_from_plan(chosen, graph)
             blocks = layer_blocks(program, graph)
-            why = split_problem(tracer(1), pipe.microbatches)
+            why = split_problem(tracer(1), pipe.microbatches,
+                                loss_reduction=pipe.loss_reduction)
             if why:
                 raise ValueError(f"a pipeline runs the batch as {pipe.microbatches} "
                                  "microbatches, which would not compute what the whole batch "
@@ -889,10 +890,18 @@ def batch_size(example_inputs) -> int:
     return sizes.pop()
 
 
-def _ops_of(program: TracedProgram) -> list[tuple[str, str]]:
-    """The program's nodes as (kind, target, arguments): equal for two traces computing the
-    same ops (eval mode may keep an op and change its arguments: aten.dropout's `train`)."""
-    return [(n.op, str(n.target), repr(n.args), repr(n.kwargs)) for n in program.graph.nodes]
+def _ops_of(program: TracedProgram) -> list[tuple[str, str, str, str]]:
+    """The program's nodes as (kind, target, arguments, keyword arguments): equal for two
+    traces computing the same ops (eval mode may keep an op and change its arguments:
+    aten.dropout's `train`). A dropout of p = 0 is the identity in either mode (Hugging
+    Face's eager attention keeps one), so its mode is left out."""
+    out = []
+    for n in program.graph.nodes:
+        args = n.args
+        if n.target is torch.ops.aten.dropout.default and len(args) > 1 and args[1] == 0:
+            args = args[:2]
+        out.append((n.op, str(n.target), repr(args), repr(n.kwargs)))
+    return out
 
 
 def _modes_changed(then: dict[str, bool], now: dict[str, bool]) -> str:

@@ -433,7 +433,8 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
     m = rounds.counts[rounds.next]
     levels, recompute = rounds.levels, rounds.recompute()
     program = trace_at(m)
-    why = split_problem(trace_at(1), m, bool(options.per_rank_inputs)) if m > 1 else ""
+    why = split_problem(trace_at(1), m, bool(options.per_rank_inputs),
+                        options.loss_reduction) if m > 1 else ""
     if why and options.microbatches is not None:
         raise ValueError(f"microbatches={m}: gradient accumulation would not compute what the "
                          f"whole batch does: {why}. Pass microbatches=1 (and recompute= or a "
@@ -775,8 +776,8 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
         raise ValueError("a pipelined plan trains through step(); pass loss_fn= (pipelined "
                          "inference alone is not supported)")
     # A schedule runs the batch as microbatches: only where they add up to the whole batch.
-    why = split_problem(trace_at(1), microbatches or 2) if batch > 1 and microbatches != 1 \
-        else ""
+    why = split_problem(trace_at(1), microbatches or 2, loss_reduction=loss_reduction) \
+        if batch > 1 and microbatches != 1 else ""
     if why and microbatches is not None:
         raise ValueError(f"microbatches={microbatches}: a pipeline schedule would not compute "
                          f"what the whole batch does: {why}. Pass microbatches=1, or plan "

@@ -33,17 +33,17 @@ from .placement import R, interned, is_partial
 from .rules.random import RANDOM_OPS
 from .trace import TracedProgram, drawing_ops, running_stat_writes, source_line
 
-_CACHE: dict[int, tuple[TracedProgram, str]] = {}
+_CACHE: dict[tuple[int, bool], tuple[TracedProgram, str]] = {}
 
 
-def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | None = None
-           ) -> str:
+def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | None = None,
+           mean: bool = True) -> str:
     """Where the model traced as `program` (on the whole batch: its first input's first
     dimension) mixes the samples of its batch, as words naming the op and its model line, or
     "" when no op does and m microbatches add up to the batch. `graph` is a strategy graph of
     `program` already built (the planner's, on its mesh): one of its mesh dimensions that
     divides the batch serves, else one is built on a mesh of m. Cached per program."""
-    hit = _CACHE.get(id(program))
+    hit = _CACHE.get((id(program), mean))
     if hit is not None and hit[0] is program:
         return hit[1]
     first = next((n for n in program.graph.nodes if program.inputs and
@@ -60,14 +60,15 @@ def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | Non
     possible, why = _propagate(graph, program.inputs, batch, dim, set(tail))
     if not why and tail:
         why = _loss_reduction(graph, possible, graph.nodes.get(tail[-1]),
-                              of_program(program).kind)
+                              of_program(program).kind, dim, mean)
     if len(_CACHE) > 64:
         _CACHE.clear()
-    _CACHE[id(program)] = (program, why)
+    _CACHE[(id(program), mean)] = (program, why)
     return why
 
 
-def split_problem(whole: TracedProgram, m: int, per_rank_inputs: bool = False) -> str:
+def split_problem(whole: TracedProgram, m: int, per_rank_inputs: bool = False,
+                  loss_reduction: str = "mean") -> str:
     """Why m microbatches of the model traced as `whole` (on the whole batch) would not add
     up to the whole batch's step, or "": BatchNorm in training mode or a loss whose
     microbatches cannot be weighted (passes/loss_weights.py), random numbers drawn in a
@@ -77,7 +78,8 @@ def split_problem(whole: TracedProgram, m: int, per_rank_inputs: bool = False) -
         return ""
     return of_program(whole, per_rank_inputs).exact() or _unsplit_draws(whole) or \
         _buffer_writes(whole, m) or \
-        mixing(whole, m, next(iter(whole.strategy_graphs.values()), None))
+        mixing(whole, m, next(iter(whole.strategy_graphs.values()), None),
+               loss_reduction != "sum")
 
 
 def _buffer_writes(whole: TracedProgram, m: int) -> str:
@@ -196,24 +198,31 @@ def _propagate(graph: strategies.StrategyGraph, inputs: list[str], batch: int, d
     return possible, ""
 
 
-def _loss_reduction(graph: strategies.StrategyGraph, possible: dict, read, kind: str) -> str:
+def _loss_reduction(graph: strategies.StrategyGraph, possible: dict, read, kind: str,
+                    dim: int, mean: bool) -> str:
     """Why the loss's last op `read` (whose reduction passes/loss_weights.py reads as `kind`)
     does not say how microbatches' losses add up, or "". A kind read from it ("sum", "mean",
     "targets") holds only when the op reduces the samples themselves: when what reaches it
     was already summed or averaged over the batch (`loss.mean(0).sum()`), the weights come
-    from that earlier op. Without a kind (`loss_reduction` decides) the op must add up what
-    reaches it (sums of sums over the batch): a ratio of two sums over the batch (a masked
-    mean, `(loss * mask).sum() / mask.sum()`) is not a weighted sum of microbatches'."""
+    from that earlier op. Without a kind (`loss_reduction` decides: `mean` is its "mean")
+    the op must add up what reaches it (sums of sums over the batch); a ratio of two sums
+    over the batch (a masked mean, `(loss * mask).sum() / mask.sum()`) is not a weighted sum
+    of microbatches'. A term the batch does not reach (a regulariser) added to a mean adds up
+    under weights 1/m (they sum to 1), not under "sum" weights (m times). `dim`: the mesh
+    dimension the batch is sharded over in `possible`."""
     if read is None:
         return ""
     carried = [i for i, edge in enumerate(read.inputs) if edge in possible]
     if not carried:
         return ""
+
+    def reduced(edge) -> bool:  # summed or averaged over the batch before `read`
+        return all(is_partial(placements[dim]) for placements in possible[edge])
+
     if kind:
         for i in carried:
-            if all(any(is_partial(p) for p in placements)
-                   for placements in possible[read.inputs[i]]):
-                early = graph.nodes[_first_reduction(graph, possible, read.inputs[i][0])]
+            if reduced(read.inputs[i]):
+                early = graph.nodes[_first_reduction(graph, possible, read.inputs[i][0], dim)]
                 return (f"the loss reduces the batch's samples{_where(early)} ({early.op}) "
                         f"before its last op {read.op}{_where(read)}, whose reduction autopar "
                         "reads to weight each microbatch's loss; reduce the samples in the "
@@ -222,12 +231,21 @@ def _loss_reduction(graph: strategies.StrategyGraph, possible: dict, read, kind:
     if any(all(s.inputs[i] in possible[edge] if i in carried else _local(s.inputs[i])
                for i, edge in enumerate(read.inputs)) for s in read.strategies):
         return ""
+    affine = read.op.split(".")[0] in ("add", "sub") and \
+        all(reduced(read.inputs[i]) for i in carried)
+    if affine and mean:
+        return ""
+    if affine:
+        return (f"the loss's last op {read.op}{_where(read)} adds a term the batch does not "
+                "reach to sums over the batch: with loss_reduction=\"sum\" every microbatch's "
+                "loss would add it once more (with \"mean\", each weighted 1/m, it adds up)")
     return (f"the loss's last op {read.op}{_where(read)} combines sums or means over the "
             "batch in a way that is not their sum (a ratio of two sums over the batch, as a "
             "masked mean is), so microbatches' losses cannot be weighted to add up to it")
 
 
-def _first_reduction(graph: strategies.StrategyGraph, possible: dict, name: str) -> str:
+def _first_reduction(graph: strategies.StrategyGraph, possible: dict, name: str,
+                     dim: int) -> str:
     """The op that summed or averaged the batch's samples into value `name` (or the first
     such op upstream): the first, going back, whose input still holds samples."""
     seen, stack = set(), [name]
@@ -238,8 +256,7 @@ def _first_reduction(graph: strategies.StrategyGraph, possible: dict, name: str)
         seen.add(n)
         v = graph.nodes[n]
         ins = [e for e in v.inputs if e in possible]
-        if any(not any(is_partial(p) for p in placements)
-               for e in ins for placements in possible[e]):
+        if any(not is_partial(placements[dim]) for e in ins for placements in possible[e]):
             return n
         stack.extend(e[0] for e in ins)
     return name

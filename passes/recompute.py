@@ -95,6 +95,7 @@ class Recompute:
 
 NONE = Recompute()
 
+
 def updated_state(program: TracedProgram) -> dict[str, set[str]]:
     """The ops of `program` that write into a graph input in forward, with what they write:
     `program.writes`, and norms in training mode (their running statistics, which

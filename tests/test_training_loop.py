@@ -257,6 +257,10 @@ def _masked_mean(z, y):  # a ratio of two sums over the batch
     return (F.mse_loss(z, y, reduction="none").mean(-1) * mask).sum() / mask.sum()
 
 
+def _regularised(z, y):  # a mean plus a term the batch does not reach
+    return F.mse_loss(z, y) + 1.0
+
+
 def _sums(z, y):  # a sum of sums over the batch: loss_reduction says which they are
     return F.mse_loss(z, y, reduction="sum") + z.abs().sum()
 
@@ -284,6 +288,13 @@ def test_accumulation_refused_where_the_loss_reduces_the_batch_before_its_last_o
         autopar.plan(_Encoder(), mesh, (x, y), loss_fn=loss_fn, microbatches=2)
     assert autopar.plan(_Encoder(), mesh, (x, y), loss_fn=_sums,
                         microbatches=2).accumulation == 2
+    # A term the batch does not reach (a regulariser) added to a mean adds up under the
+    # default weights 1/m, not under loss_reduction="sum" (m times).
+    assert autopar.plan(_Encoder(), mesh, (x, y), loss_fn=_regularised,
+                        microbatches=2).accumulation == 2
+    with pytest.raises(ValueError, match="adds a term the batch does not reach"):
+        autopar.plan(_Encoder(), mesh, (x, y), loss_fn=_regularised, microbatches=2,
+                     loss_reduction="sum")
     x, y = torch.randn(512, 16, dtype=torch.float64), torch.randn(512, 16, dtype=torch.float64)
     mesh = autopar.MeshSpec((2,), hardware="cpu")
     whole = autopar.plan(_Encoder().double(), mesh, (x, y), loss_fn=_sums,
