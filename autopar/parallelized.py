@@ -44,8 +44,8 @@ from autopar.passes.trace import (
     TracedProgram,
     TraceError,
     meta_copy,
-    running_stat_writes,
     source_line,
+    state_writes,
     trace,
     untraced_hooks,
 )
@@ -927,10 +927,9 @@ def written_buffers(program: TracedProgram, stages: list, p: int) -> dict[str, i
         if len(ranks) == 1 and {s % p for s in readers} <= ranks:
             out[ph] = ranks.pop()
             continue
-        writes = {**program.writes, **running_stat_writes(program.graph_module)}
-        lines = sorted({source_line(nodes[n]) or n for n in
-                        (key.split(":")[0] for key, base in writes.items() if base == ph)
-                        if n in nodes})
+        writes = state_writes(program.graph_module, program.writes)
+        lines = sorted({source_line(nodes[n]) or n for n, written in writes.items()
+                        if ph in written and n in nodes})
         raise ValueError(
             f"buffer {program.buffers.get(ph, ph)} is written in forward (at "
             f"{'; '.join(lines)}) by pipeline stage(s) {sorted(writers)} and used by stage(s) "

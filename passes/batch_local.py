@@ -31,7 +31,7 @@ from . import strategies
 from .loss_weights import loss_tail, of_program
 from .placement import R, interned, is_partial
 from .rules.random import RANDOM_OPS
-from .trace import TracedProgram, drawing_ops, running_stat_writes, source_line
+from .trace import TracedProgram, drawing_ops, source_line, state_writes
 
 _CACHE: dict[tuple[int, bool], tuple[TracedProgram, str]] = {}
 
@@ -86,11 +86,11 @@ def _buffer_writes(whole: TracedProgram, m: int) -> str:
     """Why the buffers `whole`'s forward writes cannot be split into microbatches, or "":
     each microbatch's forward would write them once more (a step counter m times), where the
     whole batch writes them once."""
-    writes = {**whole.writes, **{key.split(":")[0]: base for key, base in
-                                  running_stat_writes(whole.graph_module).items()}}
+    writes = state_writes(whole.graph_module, whole.writes)
     for node in whole.graph.nodes:
-        target = writes.get(node.name)
-        if target is not None and target not in whole.inputs:
+        target = next((t for t in sorted(writes.get(node.name, ())) if t not in whole.inputs),
+                      None)
+        if target is not None:
             line = source_line(node)
             return (f"op {node.target}{f' ({line})' if line else ''} writes the model's buffer "
                     f"{_buffer_name(whole, target)} in forward, once per call: {m} "

@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from .emitted import Emitted, emitted
 from .strategies import CONSTANT, OP, StrategyGraph
-from .trace import TracedProgram, input_writes, running_stat_writes
+from .trace import TracedProgram, state_writes
 
 
 @dataclass
@@ -154,7 +154,7 @@ def split_stages(gm: fx.GraphModule, graph: StrategyGraph, stage_of: dict[str, i
     # wait, runs in each stage using it).
     # An op writing into a buffer (BatchNorm's num_batches_tracked += 1) runs once, in its own
     # stage, even when it reads constants alone: recomputed where needed, it would never run.
-    writes = set(input_writes(gm, set()))
+    writes = set(state_writes(gm))
     const: set[fx.Node] = set()
     for n in nodes:
         if n.op == "placeholder":
@@ -263,8 +263,7 @@ def buffer_writes(stages: list[StageProgram]) -> dict[str, set[int]]:
     statistics, a router's token counts), with the stages that write each."""
     out: dict[str, set[int]] = {}
     for prog in stages:
-        writes = {**input_writes(prog.module, set()), **running_stat_writes(prog.module)}
-        for ph in writes.values():
-            if ph in prog.constants:
+        for written in state_writes(prog.module).values():
+            for ph in written & set(prog.constants):
                 out.setdefault(ph, set()).add(prog.index)
     return out

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from .pipeline_split import layer_blocks
 from .strategies import OP, SNode, StrategyGraph
-from .trace import TracedProgram, input_base, running_stat_writes
+from .trace import TracedProgram, input_base, state_writes
 
 MODES = ("none", "selective", "full")
 
@@ -99,11 +99,8 @@ NONE = Recompute()
 def updated_state(program: TracedProgram) -> dict[str, set[str]]:
     """The ops of `program` that write into a graph input in forward, with what they write:
     `program.writes`, and norms in training mode (their running statistics, which
-    aten.batch_norm's schema does not declare: `running_stat_writes`)."""
-    out = {n: {i} for n, i in program.writes.items()}
-    for key, base in running_stat_writes(program.graph_module).items():
-        out.setdefault(key.split(":")[0], set()).add(base)
-    return out
+    aten.batch_norm's schema does not declare: passes/trace.py `state_writes`)."""
+    return state_writes(program.graph_module, program.writes)
 
 
 def run_once(program: TracedProgram) -> frozenset[str]:

@@ -623,21 +623,24 @@ _RUNNING_STATS = {torch.ops.aten.batch_norm.default: (5, (3, 4)),
                   torch.ops.aten.instance_norm.default: (5, (3, 4))}
 
 
-def running_stat_writes(gm: fx.GraphModule) -> dict[str, str]:
-    """The norms of `gm` that update running statistics held in graph inputs (BatchNorm in
-    training mode: aten.batch_norm, whose schema does not say it writes them), as
-    {node: input}, one entry per input (input_writes misses these)."""
-    out = {}
+def state_writes(gm: fx.GraphModule, writes: dict[str, str] | None = None
+                 ) -> dict[str, set[str]]:
+    """The ops of `gm` that write into graph inputs in forward, with the inputs each writes:
+    `writes` (`input_writes` of `gm`, as TracedProgram.writes keeps it; found when not given)
+    and the norms that update running statistics held in graph inputs (BatchNorm in training
+    mode: aten.batch_norm, whose schema does not say it writes them)."""
+    out = {n: {i} for n, i in (input_writes(gm, set()) if writes is None else writes).items()}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _RUNNING_STATS:
             continue
         flag, stats = _RUNNING_STATS[node.target]
-        if len(node.args) <= flag or node.args[flag] is not True:
+        training = node.args[flag] if len(node.args) > flag else node.kwargs.get("training")
+        if training is not True:
             continue
         for i in stats:
-            base = input_base(node.args[i])
+            base = input_base(node.args[i] if len(node.args) > i else None)
             if base is not None:
-                out[f"{node.name}:{i}"] = base.name
+                out.setdefault(node.name, set()).add(base.name)
     return out
 
 
