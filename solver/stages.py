@@ -41,7 +41,9 @@ Constraints
   T  >= sum_{s on r} T_s                       for every pp rank r
   C  >= T_s                                    for every stage s
   G  >= sum_{s on r} sum_b g_b x[b,s]
-  sum_{s on r} sum_b (w_b + k_r a_b) x[b,s] <= M
+  sum_{s on r} sum_b (w_b + k_r a_b) x[b,s] <= M - D
+                                               (D: the largest block's random draw for the
+                                               whole batch, held while its op runs)
 Objective (seconds per step)
   v = 1:            min sum_s T_s + (m - 1) C + G + R
   v > 1, m >= p:    min m T + (p - 1) C + G + R
@@ -85,6 +87,7 @@ from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, Strategy, Stra
 from .cost import NO_TIME, CostModel, Split, step_seconds
 from .flops import is_view
 from .ilp import loss_sink_time, solve
+from .memory import draw_bytes
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 TICK = 1e-8  # seconds per integer time unit inside the stage solver
@@ -168,6 +171,7 @@ class Block:
     cut_fixed: float = 0.0
     draw: float = 0.0        # d_b: seconds of its random draws at the traced batch (in time)
     accumulate: float = 0.0  # g'_b: seconds of adding a microbatch's gradients (not in time)
+    drawn: float = 0.0       # bytes of its largest random draw at the traced batch
 
 
 def microbatch_time(block: Block, sigma: float, m: int) -> float:
@@ -228,6 +232,9 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
     c = [b.cut_fixed + (b.cut_time - b.cut_fixed) * sigma for b in blocks]
     a = [b.act_bytes * sigma for b in blocks]
     k = [in_flight(schedule, p, m, v, r) for r in range(p)]
+    # the largest random draw, of the whole batch in every microbatch, while its op runs
+    # (solver/memory.py draw_bytes), on any rank: off the budget
+    drawn = max((b.drawn for b in blocks), default=0.0) * m * sigma
     ti, ci, gi = ([round(x / TICK) for x in xs] for xs in (t, c, [b.grad_sync for b in blocks]))
     model = cp_model.CpModel()
     # Block b can only be in stages s with s <= b and S - 1 - s <= n - 1 - b.
@@ -274,7 +281,7 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
         model.Add(sync >= sum(gi[b] * x[b, s] for s in mine for b in range(n) if (b, s) in x))
         if memory_budget is not None and memory_budget != float("inf"):
             model.Add(sum(round(blocks[b].param_bytes + k[r] * a[b]) * x[b, s] for s in mine
-                          for b in range(n) if (b, s) in x) <= int(memory_budget))
+                          for b in range(n) if (b, s) in x) <= int(memory_budget - drawn))
     ws, wt, wc = _weights(p, m, v)
     model.Minimize(TIE * (ws * sum(stage_t) + wt * busiest + wc * slowest + sync) + busiest)
     for (b, s), var in x.items():  # start from the cut that balances block times
@@ -296,7 +303,7 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
     syncs = [sum(blocks[b].grad_sync for b in range(n) if stage[b] == s)
              for s in range(num_stages)]
     memory = [sum(blocks[b].param_bytes + k[r] * a[b] for b in range(n) if stage[b] % p == r)
-              for r in range(p)]
+              + drawn for r in range(p)]
     return StageSolution(schedule, m, v, cuts,
                          step_time(times, syncs, p, m, v, sent if hide else None,
                                    replay_time(blocks, sigma, m)), times,
@@ -518,6 +525,7 @@ class Priced:
     hidden: dict[str, float] = field(default_factory=dict)  # per microbatch, by kind
     draws: float = 0.0         # seconds of its random draws per microbatch (in compute)
     accumulate: float = 0.0    # seconds of adding a microbatch's gradients to the step's
+    drawn: float = 0.0         # bytes of its largest random draw (memory.draw_bytes)
 
 
 def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> Priced:
@@ -526,7 +534,7 @@ def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> P
     prefetched FSDP gathers hide under its forward and their gradients' reduce-scatters under
     its backward, each microbatch, but for its first bucket's share (`stage_share`); `hidden`
     says how many seconds of each kind, and `time` leaves them out."""
-    out = Priced()
+    out = Priced(drawn=draw_bytes(sub, cost))
     launch = cost.hw.launch
     total = NO_TIME  # the microbatch's prices by where they run (cost.Split)
     for v in sub.nodes.values():
@@ -670,7 +678,7 @@ def price_blocks(graph: StrategyGraph, cost: CostModel, block_of: dict[str, int]
         blocks.append(Block(name, p.time, p.time_fixed, p.grad_sync,
                             sum(v for k, v in p.memory.items() if k != "activations"),
                             p.memory["activations"], draw=p.draws,
-                            accumulate=p.accumulate))
+                            accumulate=p.accumulate, drawn=p.drawn))
     for b, values in crossing(graph, {n: block_of[n] for n in block_of
                                       if graph.nodes[n].kind == OP}).items():
         blocks[b].cut_time, blocks[b].cut_fixed = transfer_time(graph, cost, values, choice,
@@ -735,6 +743,9 @@ def price_pipeline(graph: StrategyGraph, cost: CostModel, stages: list, stage_of
         for s in range(r, num_stages, p):
             for key, val in priced[s].memory.items():
                 mem[key] += val * (held[s] if key == "activations" else 1)
+        drawn = max(priced[s].drawn for s in range(r, num_stages, p))
+        if drawn:  # the largest whole-batch draw among its stages, while its op runs
+            mem["draws"] = drawn
         rank_memory.append(mem)
     hide = hides_sends(schedule, cost.overlap)
     replay = sum(pr.draws for pr in priced)  # every stage's, for the whole batch, once

@@ -183,6 +183,8 @@ def test_a_dropout_pipeline_prices_whole_batch_draws_every_microbatch():
     mine = draws / 4  # the busiest rank's two blocks of eight
     more = drop.cost.compute - plain.cost.compute
     assert more == pytest.approx(m * mine + draws, rel=1e-3)
+    # memory: the largest whole-batch draw, held while its op runs (float32: 2 x 4 + 1 bytes)
+    assert drop.cost.memory["draws"] == 65536 * 128 * 9 and "draws" not in plain.cost.memory
 
 
 def test_memory_decides_the_cut():
