@@ -93,15 +93,11 @@ def _buffer_writes(whole: TracedProgram, m: int) -> str:
         if target is not None:
             line = source_line(node)
             return (f"op {node.target}{f' ({line})' if line else ''} writes the model's buffer "
-                    f"{_buffer_name(whole, target)} in forward, once per call: {m} "
+                    f"{whole.buffers.get(target, target)} in forward, once per call: {m} "
                     f"microbatches would write it {m} times where the whole batch writes it "
                     "once")
     return ""
 
-
-def _buffer_name(program: TracedProgram, placeholder: str) -> str:
-    """The model's name of the buffer a graph input holds, else the input's name."""
-    return program.buffers.get(placeholder, placeholder)
 
 
 # Random ops that can draw the whole batch's numbers in each microbatch (batch_dims);
