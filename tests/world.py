@@ -1,6 +1,7 @@
 """A persistent pool of CPU rank processes sharing one gloo process group.
 
-Starting a fresh set of processes costs seconds, so the tests share one `World` per world size and send it small tasks:
+Starting a fresh set of processes costs seconds, so the tests share one `World` per world
+size and send it small tasks:
 
     world = get_world(4)
     results = world.run(some_module_level_function, arg, key=value)
