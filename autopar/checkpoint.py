@@ -82,9 +82,11 @@ def load(path: str, model: Parallelized, optimizer: torch.optim.Optimizer | None
     another model (missing or extra names, other shapes or dtypes) raises CheckpointError on
     every rank, naming the tensors, before anything is loaded."""
     state = _state(model, optimizer)
+    # a pp rank holds its stages' tensors only: the model's are every rank's together
+    names = set().union(*model.control.gather_objects(sorted(state["model"])))
     error = None
     try:
-        stored = check(path, state["model"])
+        stored = check(path, state["model"], names)
     except (CheckpointError, OSError, ValueError) as e:
         error = str(e)
     model.control.exchange(f"loading the checkpoint {path}", error, [])
@@ -100,10 +102,12 @@ def load(path: str, model: Parallelized, optimizer: torch.optim.Optimizer | None
     return state["extra"]
 
 
-def check(path: str, model_state: dict) -> dict:
+def check(path: str, model_state: dict, model_names: set[str] | None = None) -> dict:
     """Raise CheckpointError unless the checkpoint at `path` holds every tensor of
-    `model_state` (the model's state dict) under the same name, global shape and dtype, and
-    no other model tensor; returns what the checkpoint holds (DCP's metadata by key)."""
+    `model_state` (this rank's state dict) under the same name, global shape and dtype, and
+    no tensor outside `model_names` (the whole model's state names, every rank's together:
+    a pipeline stage's rank holds its own; default: those of `model_state`); returns what the
+    checkpoint holds (DCP's metadata by key)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path}")
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -112,7 +116,7 @@ def check(path: str, model_state: dict) -> dict:
     want = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
     problems = []
     missing = sorted(set(want) - set(saved))
-    extra = sorted(set(saved) - set(want))
+    extra = sorted(set(saved) - (set(want) if model_names is None else set(model_names)))
     if missing:
         problems.append(f"missing from the checkpoint: {_names(missing)}")
     if extra:

@@ -794,10 +794,19 @@ class Parallelized(nn.Module):
         model's own state_dict: what a plain `model.load_state_dict` accepts, for handing the
         model to inference (a collective: call on all ranks; every rank gets it)."""
         whole = self.full_parameters()
+        own = self.state_dict()
+        if self._pipeline is None:
+            return {name: whole[param] if (param := self._store.alias_of(name)) is not None
+                    else value.detach().clone() for name, value in own.items()}
+        # a pp rank holds its stages' parameters: the names are the whole model's, in its order
+        model = self._meta.obj
+        first = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(p), name)
         out = {}
-        for name, value in self.state_dict().items():
-            param = self._store.alias_of(name)
-            out[name] = whole[param] if param is not None else value.detach().clone()
+        for name, t in model.state_dict(keep_vars=True).items():
+            param = first.get(id(t))
+            out[name] = whole[param] if param is not None else own[name].detach().clone()
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -807,8 +816,10 @@ class Parallelized(nn.Module):
         an error naming the tensors, never a silent cast."""
         store = self._built()
         own = self.state_dict()
+        # (a pp rank holds its stages' tensors: it takes those of the whole model's it holds)
+        names = own if self._pipeline is None else self._meta.obj.state_dict(keep_vars=True)
         missing = sorted(set(own) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(own))
+        unexpected = sorted(set(state_dict) - set(names))
         problems = []
         if strict and missing:
             problems.append("missing: " + ", ".join(missing))

@@ -119,3 +119,41 @@ def failed_save_keeps_the_previous(path: str) -> tuple[str, float]:
     ckpt.load(path, pm, opt)
     after = pm.full_parameters()
     return message, max((before[n] - after[n]).abs().max().item() for n in before)
+
+
+def resume_into_and_out_of_a_pipeline(path: str, first: tuple, second: tuple) -> None:
+    """BatchNorm blocks (buffers written in forward): 2 AdamW steps under `first` (mesh shape,
+    dimension names, force), a checkpoint, 2 more steps under `second` loaded from it; the
+    losses, parameters and buffers equal 4 steps on one device. A pp rank holds its stages'
+    tensors only: the checkpoint of the others' must still load."""
+    import torch.nn.functional as F
+
+    from tests.pipeline_tasks import mesh_for as named_mesh
+    from tests.pipeline_tasks import normed_blocks
+
+    model, ref, x, y = normed_blocks("bn")
+    later = copy.deepcopy(model)
+
+    def built(m, shape, names, force):
+        pm = autopar.parallelize(m, named_mesh(shape, names), loss_fn=F.cross_entropy,
+                                 example_inputs=(x, y), microbatches=1, force=force)
+        return pm, torch.optim.AdamW(pm.parameters(), lr=1e-2)
+
+    pm, opt = built(model, *first)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(4):
+        if step == 2:
+            ckpt.save(path, pm, opt)
+            pm, opt = built(later, *second)
+            ckpt.load(path, pm, opt)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pm.step(x, y)
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        opt.step()
+        ref_opt.step()
+    full = pm.full_state_dict()
+    assert list(full) == list(ref.state_dict()), (list(full), list(ref.state_dict()))
+    check_equal("state after resuming", full, ref.state_dict())

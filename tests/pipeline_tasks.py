@@ -101,7 +101,8 @@ class NormedBlocks(nn.Module):
         return self.out(h)
 
 
-def _normed(norm: str):
+def normed_blocks(norm: str):
+    """NormedBlocks(norm) in float64, a copy of it (the single-device reference) and a batch."""
     torch.manual_seed(0)
     model = NormedBlocks(norm).double()
     x = torch.randn(8, 8, dtype=torch.float64)
@@ -123,7 +124,7 @@ def modes(kind: str) -> str | float:
     "train_after_build" and "eval_after_training": the modes changed after the build, where
     the model computes other ops: returns the error's message."""
     mesh = mesh_for((2,), ("pp",))
-    model, ref, x, y = _normed("bn" if kind == "eval_after_training" else "dropout")
+    model, ref, x, y = normed_blocks("bn" if kind == "eval_after_training" else "dropout")
     if kind == "eval_after_training":
         pm = autopar.parallelize(model, mesh, loss_fn=F.cross_entropy, example_inputs=(x, y),
                                  microbatches=1)
@@ -149,8 +150,10 @@ def modes(kind: str) -> str | float:
 
 def written_buffers() -> None:
     """BatchNorm's running statistics, written in forward by one stage: after two steps every
-    rank's state_dict() and full_state_dict() hold one device's buffers."""
-    model, ref, x, y = _normed("bn")
+    rank's state_dict() and full_state_dict() hold one device's buffers; full_state_dict()
+    holds every stage's tensors (a plain model loads it), and load_state_dict() takes a
+    single-device state dict."""
+    model, ref, x, y = normed_blocks("bn")
     pm = autopar.parallelize(model, mesh_for((2,), ("pp",)), loss_fn=F.cross_entropy,
                              example_inputs=(x, y), microbatches=1)
     for _ in range(2):
@@ -158,7 +161,15 @@ def written_buffers() -> None:
         F.cross_entropy(ref(x), y)
     want = dict(ref.named_buffers())
     rank_tasks.check_equal("buffer", pm.state_dict(), want)
-    rank_tasks.check_equal("buffer", pm.full_state_dict(), want)
+    full = pm.full_state_dict()  # every stage's tensors, in the model's order, on every rank
+    assert list(full) == list(ref.state_dict()), (list(full), list(ref.state_dict()))
+    rank_tasks.check_equal("state", full, ref.state_dict())
+    plain = NormedBlocks("bn").double()
+    plain.load_state_dict(full)  # strict
+    fresh = NormedBlocks("bn").double()  # a single-device state dict loads (each rank its part)
+    pm.load_state_dict(fresh.state_dict())
+    rank_tasks.check_equal("state after load_state_dict", pm.full_state_dict(),
+                           fresh.state_dict())
 
 
 def mixed_precision_errors(shape: tuple[int, ...], names: tuple[str, ...], **options) -> dict:
