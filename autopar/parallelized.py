@@ -662,8 +662,9 @@ class Parallelized(nn.Module):
                 f"traced ({_modes_changed(then, now)}) and {why}; a pipelined model runs the "
                 "one program traced at its build (parallelize's example_inputs=, else the "
                 "first step). Set the modes on the model before parallelize (model.train() "
-                "or model.eval(), and a submodule's own) and keep them, or plan without a pp "
-                "mesh dimension to switch between training and eval programs")
+                "or model.eval(), and a submodule's own) and keep them, plan without a pp "
+                "mesh dimension to switch between training and eval programs, or evaluate a "
+                "plain copy of the model loaded from pmodel.full_state_dict()")
 
     def _build_pipeline_traced(self, example_inputs: tuple) -> PipelineModule:
         """`_build_pipeline`, its model's values synced and its reads watched."""
