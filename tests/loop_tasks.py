@@ -586,3 +586,20 @@ def state_snapshot(mesh_shape, force=None) -> None:
         loss_fn(ref(x), y).backward()
         ref_opt.step()
     _same_parameters(pm, ref)
+
+
+def frozen_batch_norm(force, microbatches: int) -> list[str]:
+    """BatchNorm blocks whose norms are frozen in eval mode (fine-tuning) train as on one
+    device, under `microbatches` of gradient accumulation too; returns the placements of the
+    norms' inputs in the training plan."""
+    from tests.pipeline_tasks import normed_blocks
+
+    model, ref, x, y = normed_blocks("bn")
+    for m in (model, ref):
+        m.norms.eval()
+    pm = autopar.parallelize(model, mesh_for((2,)), loss_fn=F.cross_entropy,
+                             example_inputs=(x, y), force=force, microbatches=microbatches)
+    train = pm.plan
+    assert train.accumulation == microbatches
+    check_training(pm, ref, F.cross_entropy, x, y, 2)
+    return [o["inputs"][0] for o in train.to_dict()["ops"] if o["op"] == "batch_norm.default"]

@@ -432,6 +432,20 @@ add(aten.layer_norm.default, "two_dims", lambda g: call(g.f(6, 4, 5), [4, 5], g.
 add(aten.rms_norm.default, "weight", lambda g: call(g.f(4, 6, 8), [8], g.f(8), 1e-6))
 add(aten.rms_norm.default, "plain", lambda g: call(g.f(6, 4, 5), [5]))
 add(aten.rms_norm.default, "two_dims", lambda g: call(g.f(6, 4, 5), [4, 5], g.f(4, 5)))
+# BatchNorm in eval mode (running statistics: no gradient), over (N, C, L), (N, C), (N, C, H, W)
+add(aten.batch_norm.default, "eval", lambda g: call(g.f(6, 12, 5), g.f(12), g.f(12), g.f(12),
+                                                    g.pos(12), False, 0.1, 1e-5, False),
+    no_grad=(3, 4))
+add(aten.batch_norm.default, "eval_plain", lambda g: call(g.f(6, 12), None, None, g.f(12),
+                                                          g.pos(12), False, 0.1, 1e-5, False),
+    no_grad=(1, 2))
+add(aten.batch_norm.default, "eval_2d", lambda g: call(g.f(4, 6, 2, 3), g.f(6), g.f(6), g.f(6),
+                                                       g.pos(6), False, 0.1, 1e-5, False),
+    no_grad=(3, 4))
+# training mode without running statistics (track_running_stats=False): the batch's own
+add(aten.batch_norm.default, "batch_statistics", lambda g: call(g.f(6, 4, 5), g.f(4), g.f(4),
+                                                                None, None, True, 0.1, 1e-5,
+                                                                False))
 
 # ---------------------------------------------------------------------------------------------
 # Attention

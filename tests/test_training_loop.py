@@ -317,6 +317,18 @@ class _Counted(torch.nn.Module):
         return self.a(x) * (1 + 0.1 * self.calls)
 
 
+@pytest.mark.parametrize("force,microbatches,placement", [("data", 2, "S(0)"),
+                                                          ("tensor", 1, "S(1)")])
+def test_frozen_batch_norm_shards_and_accumulates(world2, force, microbatches, placement):
+    """A BatchNorm in eval mode inside a training model (frozen for fine-tuning) normalizes
+    each sample by its running statistics: it runs sharded by the batch (data parallel,
+    gradient accumulation allowed) or by its channels (tensor parallel), as one device
+    computes (it had no sharding rule: every rank ran it whole, and microbatches were
+    refused)."""
+    placements = world2.run(loop_tasks.frozen_batch_norm, force, microbatches)[0]
+    assert placements and all(p == placement for p in placements), placements
+
+
 def test_accumulation_refused_where_forward_writes_a_buffer():
     """A buffer forward writes (a step counter) would be written once per microbatch, where
     the whole batch writes it once: microbatches= above 1 is refused naming it, for gradient

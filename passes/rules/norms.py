@@ -31,3 +31,22 @@ def layer_norm(call: OpCall) -> list[Rule1D]:
     weights = tuple(R for _ in call.inputs[1:])
     rules = [Rule1D((Shard(j), *weights), Shard(j)) for j in range(lead)]
     return rules + [Rule1D((R, *weights), R)]
+
+
+@register(aten.batch_norm.default)
+def batch_norm(call: OpCall) -> list[Rule1D]:
+    """batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, ...):
+    in eval mode (training=False) each sample is normalized by the running statistics alone,
+    so the batch and spatial dimensions may be sharded, and the channels (dimension 1) with
+    the per-channel weight, bias and statistics sharded alike (a BatchNorm frozen for
+    fine-tuning). In training mode the batch's statistics mix every sample: it runs whole
+    (and one that updates running statistics runs whole on every rank anyway)."""
+    per_channel = tuple(R for _ in call.inputs[1:])
+    whole = Rule1D((R, *per_channel), R)
+    if call.arg(5, "training", False):
+        return [whole]
+    ndim = call.inputs[0].ndim
+    rules = [Rule1D((Shard(d), *per_channel), Shard(d)) for d in range(ndim) if d != 1]
+    if ndim > 1:
+        rules.append(Rule1D((Shard(1), *(Shard(0) for _ in call.inputs[1:])), Shard(1)))
+    return rules + [whole]
