@@ -82,11 +82,9 @@ def load(path: str, model: Parallelized, optimizer: torch.optim.Optimizer | None
     another model (missing or extra names, other shapes or dtypes) raises CheckpointError on
     every rank, naming the tensors, before anything is loaded."""
     state = _state(model, optimizer)
-    # a pp rank holds its stages' tensors only: the model's are every rank's together
-    names = set().union(*model.control.gather_objects(sorted(state["model"])))
     error = None
-    try:
-        stored = check(path, state["model"], names)
+    try:  # (a pp rank's state holds its stages' tensors; the model's names are every stage's)
+        stored = check(path, state["model"], set(model.model_state_names()))
     except (CheckpointError, OSError, ValueError) as e:
         error = str(e)
     model.control.exchange(f"loading the checkpoint {path}", error, [])

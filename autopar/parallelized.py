@@ -795,20 +795,23 @@ class Parallelized(nn.Module):
         model's own state_dict: what a plain `model.load_state_dict` accepts, for handing the
         model to inference (a collective: call on all ranks; every rank gets it)."""
         whole = self.full_parameters()
-        own = self.state_dict()
-        if self._pipeline is None:
-            return {name: whole[param] if (param := self._store.alias_of(name)) is not None
-                    else value.detach().clone() for name, value in own.items()}
-        # a pp rank holds its stages' parameters: the names are the whole model's, in its order
+        own = self.state_dict()  # (a pp rank's holds its stages' parameters, every buffer)
+        return {name: whole[param] if param in whole else own[name].detach().clone()
+                for name, param in self._state_params().items()}
+
+    def model_state_names(self) -> list[str]:
+        """Every name of the model's state dict, in its order: the names `full_state_dict()`
+        gives, and a checkpoint of this model holds (under a pipelined plan, every stage's,
+        where `state_dict()` holds this rank's)."""
+        return list(self._state_params())
+
+    def _state_params(self) -> dict[str, str | None]:
+        """Each name of the model's state dict -> the parameter it stands for (a tied one's
+        first name; None for a buffer)."""
         model = self._meta.obj
-        first = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            first.setdefault(id(p), name)
-        out = {}
-        for name, t in model.state_dict(keep_vars=True).items():
-            param = first.get(id(t))
-            out[name] = whole[param] if param is not None else own[name].detach().clone()
-        return out
+        first = {alias: p for p, names in self._aliases.items() for alias in names}
+        params = {n for n, _ in model.named_parameters()}
+        return {n: n if n in params else first.get(n) for n in model.state_dict(keep_vars=True)}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a state dict by the model's names: whole plain tensors (a single-device
@@ -817,10 +820,9 @@ class Parallelized(nn.Module):
         an error naming the tensors, never a silent cast."""
         store = self._built()
         own = self.state_dict()
-        # (a pp rank holds its stages' tensors: it takes those of the whole model's it holds)
-        names = own if self._pipeline is None else self._meta.obj.state_dict(keep_vars=True)
         missing = sorted(set(own) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(names))
+        # (a pp rank takes the tensors of its stages: the others' are not unexpected)
+        unexpected = sorted(set(state_dict) - set(self.model_state_names()))
         problems = []
         if strict and missing:
             problems.append("missing: " + ", ".join(missing))

@@ -7,9 +7,12 @@ import copy
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import autopar
 import autopar.checkpoint as ckpt
+from tests.pipeline_tasks import mesh_for as named_mesh
+from tests.pipeline_tasks import normed_blocks
 from tests.rank_tasks import ATOL, RTOL, build, check_equal, in_float64, mesh_for
 
 
@@ -126,11 +129,6 @@ def resume_into_and_out_of_a_pipeline(path: str, first: tuple, second: tuple) ->
     dimension names, force), a checkpoint, 2 more steps under `second` loaded from it; the
     losses, parameters and buffers equal 4 steps on one device. A pp rank holds its stages'
     tensors only: the checkpoint of the others' must still load."""
-    import torch.nn.functional as F
-
-    from tests.pipeline_tasks import mesh_for as named_mesh
-    from tests.pipeline_tasks import normed_blocks
-
     model, ref, x, y = normed_blocks("bn")
     later = copy.deepcopy(model)
 

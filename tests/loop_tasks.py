@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar import zoo
+from tests.pipeline_tasks import normed_blocks
 from tests.rank_tasks import (
     ATOL,
     RTOL,
@@ -592,8 +593,6 @@ def frozen_batch_norm(force, microbatches: int) -> list[str]:
     """BatchNorm blocks whose norms are frozen in eval mode (fine-tuning) train as on one
     device, under `microbatches` of gradient accumulation too; returns the placements of the
     norms' inputs in the training plan."""
-    from tests.pipeline_tasks import normed_blocks
-
     model, ref, x, y = normed_blocks("bn")
     for m in (model, ref):
         m.norms.eval()

@@ -45,8 +45,7 @@ def batch_norm(call: OpCall) -> list[Rule1D]:
     whole = Rule1D((R, *per_channel), R)
     if call.arg(5, "training", False):
         return [whole]
-    ndim = call.inputs[0].ndim
-    rules = [Rule1D((Shard(d), *per_channel), Shard(d)) for d in range(ndim) if d != 1]
-    if ndim > 1:
-        rules.append(Rule1D((Shard(1), *(Shard(0) for _ in call.inputs[1:])), Shard(1)))
-    return rules + [whole]
+    rules = [Rule1D((Shard(d), *per_channel), Shard(d)) for d in range(call.inputs[0].ndim)
+             if d != 1]  # (the input is (N, C, ...))
+    channels = Rule1D((Shard(1), *(Shard(0) for _ in call.inputs[1:])), Shard(1))
+    return rules + [channels, whole]
