@@ -54,6 +54,7 @@ from autopar.passes.zero import zero_shard
 from autopar.runtime.collectives import MeshComm
 from autopar.runtime.control import Control, RankError, agreed, content_hash, signature
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.inference_outputs import guard_outputs
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.params import ParameterStore, local_block, skeleton_child
 from autopar.runtime.pipeline import PipelineModule, SubmeshComm, stage_parameters
@@ -195,12 +196,16 @@ class Parallelized(nn.Module):
             return built.runner.step(parts, self._microbatch_weights(built.loss_weights, parts))
 
     def forward(self, *args, **kwargs):
-        """Inference: returns what the original model returns, whole, on every rank."""
+        """Inference: returns what the original model returns, whole, on every rank. Train
+        with `step`: while autograd records, backward through these outputs raises (the
+        parameters get no gradient from them; runtime/inference_outputs.py)."""
         with self._control.guard("the forward call"):
             if self._spec.pipeline_dim is not None:
-                return self._pipeline_call(args, kwargs, step=False)
-            call = self._split(args, kwargs, step=False)
-            return self._program_for(call, step=False).runner.infer(call.tensors)
+                outputs = self._pipeline_call(args, kwargs, step=False)
+            else:
+                call = self._split(args, kwargs, step=False)
+                outputs = self._program_for(call, step=False).runner.infer(call.tensors)
+        return guard_outputs(outputs, any(p.requires_grad for p in self.parameters()))
 
     def _module_hooks(self) -> str | None:
         """An error message if a hook was registered on one of this model's modules (they

@@ -189,6 +189,38 @@ def hf_keyword_batch(mesh_shape, force=None) -> None:
     torch.testing.assert_close(got.logits, want.logits, rtol=RTOL, atol=ATOL)
 
 
+def backward_through_inference(mesh_shape, force=None) -> list[str]:
+    """The loop DistributedDataParallel takes, `loss_fn(pmodel(x), y).backward()`, raises,
+    naming pmodel.step (pmodel(x) runs without autograd: the parameters would get no gradient),
+    alone or beside a weight penalty that reaches the parameters directly (trained on the
+    penalty alone before); the first leaves no gradient, and training goes on with step(). Under
+    torch.no_grad() the outputs are plain tensors. Returns the errors."""
+    pm, ref, loss_fn, x, y = _pair("mlp", mesh_shape, force)
+    errors = []
+    for penalty in (False, True):
+        out = pm(x)
+        assert out.requires_grad
+        torch.testing.assert_close(out.detach(), ref(x).detach(), rtol=RTOL, atol=ATOL)
+        loss = loss_fn(out, y)
+        if penalty:
+            loss = loss + 1e-4 * sum(p.pow(2).sum() for p in pm.parameters())
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            errors.append(str(e))
+        else:
+            raise AssertionError("backward through pmodel(x) ran")
+        if not penalty:
+            assert all(p.grad is None for p in pm.parameters())
+    pm.zero_grad()  # what the penalty's backward reached before the loss's failed
+    with torch.no_grad():
+        assert not pm(x).requires_grad
+    loss = pm.step(x, y)
+    loss_fn(ref(x), y).backward()
+    check_equal("gradient", pm.full_grads(), {n: p.grad for n, p in ref.named_parameters()})
+    return errors
+
+
 def train_and_eval_modes(mesh_shape, force=None) -> None:
     """A model with dropout: in eval mode the forward call applies none (it equals the
     single-device model in eval mode); back in train mode, steps draw their masks as one

@@ -1,8 +1,9 @@
 """The calls a training loop makes on a parallelized model give the numbers they give on one
 device, under every kind of plan: gradient clipping, parameter groups by name, state_dict,
 ranks that built different models, a new batch size, per-rank batches, keyword batches of a
-model that computes its own loss, train and eval modes, optimizers that step below autograd,
-gradient accumulation weighting each microbatch as the batch weighs it."""
+model that computes its own loss, train and eval modes, backward through an inference call
+(refused), optimizers that step below autograd, gradient accumulation weighting each
+microbatch as the batch weighs it."""
 
 import pytest
 import torch
@@ -31,6 +32,14 @@ def test_clip_grad_norm_on_two_dimensions(world4, force):
 @pytest.mark.parametrize("force", ["zero1", "zero2", "fsdp"])
 def test_optimizers_that_update_below_autograd(world2, force):
     world2.run(loop_tasks.optimizer_kernels, (2,), force)
+
+
+@pytest.mark.parametrize("force", ["data", "fsdp"])
+def test_backward_through_inference_is_refused(world2, force):
+    for errors in world2.run(loop_tasks.backward_through_inference, (2,), force):
+        assert "pmodel.step" in errors[0]
+        # beside a penalty over the DTensor parameters, torch's loss backward fails first
+        assert "pmodel.step" in errors[1] or "mixed torch.Tensor and DTensor" in errors[1]
 
 
 @pytest.mark.parametrize("force", [None, "zero1"])
