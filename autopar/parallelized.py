@@ -149,7 +149,7 @@ class Parallelized(nn.Module):
             if name:
                 owner, last = skeleton_child(self, name)
                 if last not in owner._modules:
-                    owner.add_module(last, nn.Module())
+                    owner.add_module(last, _container_like(m))
                 owner._modules[last].training = m.training
         # ... and its plain attributes, which the traces read (autopar/guards.py)
         self._guards = ValueGuards(self._meta.obj, self, loss_fn)
@@ -882,6 +882,16 @@ class Parallelized(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         raise RuntimeError("a parallelized model cannot change device or dtype: call .to() / "
                            ".double() / .cuda() on the model before autopar.parallelize")
+
+
+def _container_like(module: nn.Module) -> nn.Module:
+    """An empty module for the parallelized model's tree in `module`'s place: a container of
+    torch's kind where the model has one (so `pmodel.layers[0]`, `len(pmodel.layers)` and
+    iterating work as on the model), a plain module otherwise."""
+    for kind in (nn.Sequential, nn.ModuleList, nn.ModuleDict):
+        if isinstance(module, kind):
+            return kind()
+    return nn.Module()
 
 
 def _device_of(mesh) -> torch.device:

@@ -102,6 +102,21 @@ def state_dict_keys(name, mesh_shape, force=None) -> tuple[list[str], list[str],
     return sorted(sd), sorted(ref.state_dict()), sorted({type(v).__name__ for v in sd.values()})
 
 
+def module_tree(mesh_shape, force=None) -> list[str]:
+    """The parallelized model's module tree has the model's containers: `pmodel.h[0]`,
+    `pmodel.h[-1]`, `len(pmodel.h)` and iterating work as on the model, and a mode set
+    through an index is the submodule's. Returns the names of the parameters under
+    pmodel.h[-1]."""
+    pm, ref, loss_fn, x, y = _pair("gpt", mesh_shape, force)
+    pm.build((x, y))
+    assert isinstance(pm.h, torch.nn.ModuleList) and len(pm.h) == len(ref.h) == 2
+    assert pm.h[0] is pm.get_submodule("h.0") and list(pm.h) == [pm.h[0], pm.h[1]]
+    pm.h[0].eval()
+    assert not pm.get_submodule("h.0").training and pm.get_submodule("h.1").training
+    pm.train()
+    return [n for n, _ in pm.h[-1].named_parameters()]
+
+
 def ranks_build_different_models(mesh_shape, force=None) -> None:
     """Every rank builds its model from its own seed: all train rank 0's model."""
     torch.manual_seed(0)

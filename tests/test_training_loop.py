@@ -71,6 +71,11 @@ def test_state_dict_speaks_the_models_names(world4):
     assert "DTensor" in types
 
 
+def test_module_tree_keeps_the_models_containers(world2):
+    names = world2.run(loop_tasks.module_tree, (2,), "fsdp")[0]
+    assert names and all(n.startswith(("ln_", "attn.", "mlp.")) for n in names)
+
+
 @pytest.mark.parametrize("force", ["data", "fsdp", "tensor"])
 def test_ranks_that_built_different_models_train_rank0s(world2, force):
     world2.run(loop_tasks.ranks_build_different_models, (2,), force)
