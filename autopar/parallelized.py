@@ -606,15 +606,24 @@ class Parallelized(nn.Module):
                          "them before its first step, or hold a value that changes in a "
                          "tensor (a buffer of the model, or a tensor the loss function "
                          "captures, changed in place)")
+        tracer = None  # the model in modes the pipeline was not traced in, for inference
         if error is None and self._pipeline is not None:
-            error = self._pipeline_modes_error()
+            tracer, why = self._pipeline_modes()
+            if why is not None and (step or tracer is None):
+                error = why
         rows = self._agree_inputs(call, error, "step()" if step else "the forward call",
                                   moved=moved)
         if self._pipeline is None:
             self._build_pipeline(args)
-        self._check_random_states(self._pipeline.random_ops, rows)
         if not step:
-            return self._pipeline.infer(*args)
+            modes = None
+            if tracer is not None:
+                modes = tuple(sorted(self._module_modes().items()))
+                if not self._pipeline.infers_in(modes):
+                    self._add_pipeline_inference(modes, tracer)
+            self._check_random_states(self._pipeline.inference_draws(modes), rows)
+            return self._pipeline.infer(*args, modes=modes)
+        self._check_random_states(self._pipeline.random_ops, rows)
         m = self._pipeline.plan.pipeline.microbatches
         parts = [microbatch(call, m, i).tensors for i in range(m)]
         return self._pipeline.step(*args, weights=self._microbatch_weights(
@@ -634,13 +643,15 @@ class Parallelized(nn.Module):
         pipeline.values = self._guards.fingerprint(self)  # with what the trace found it reads
         pipeline.modes = self._module_modes()
         pipeline.example = tuple(torch.empty_like(t, device="meta") for t in example_inputs)
-        pipeline.in_modes = {tuple(sorted(pipeline.modes.items())): None}
+        pipeline.in_modes = {tuple(sorted(pipeline.modes.items())): (None, None)}
         return pipeline
 
-    def _pipeline_modes_error(self) -> str | None:
-        """Why the pipelined program cannot run in the modules' modes now (None when they are
-        those it was traced in, or when the model traces to the same program in them: a model
-        without dropout or BatchNorm), found once for each set of modes."""
+    def _pipeline_modes(self) -> tuple:
+        """(tracer, why) for the modules' modes now: (None, None) when they are those the
+        pipelined program was traced in, or when the model traces to the same program in them
+        (a model without dropout or BatchNorm); else why the training program cannot run in
+        them, and the model's pipeline_tracer in them for inference (None when it does not
+        trace in them). Found once for each set of modes."""
         pipeline = self._pipeline
         now = self._module_modes()
         key = tuple(sorted(now.items()))
@@ -648,28 +659,46 @@ class Parallelized(nn.Module):
             pipeline.in_modes[key] = self._modes_problem(pipeline.modes, now)
         return pipeline.in_modes[key]
 
-    def _modes_problem(self, then: dict[str, bool], now: dict[str, bool]) -> str | None:
-        """`_pipeline_modes_error` for modes it has not met: the meta copy traced in `now`,
-        compared op by op with the pipelined program (traced in `then`)."""
+    def _modes_problem(self, then: dict[str, bool], now: dict[str, bool]) -> tuple:
+        """`_pipeline_modes` for modes it has not met: the meta copy traced in `now`, compared
+        op by op with the pipelined program (traced in `then`)."""
         pipeline, model = self._pipeline, self._meta.obj
         m = pipeline.plan.pipeline.microbatches
+        tracer = None
         try:
             self._set_modes(model)
             self._guards.sync(self, model)
-            program = pipeline_tracer(model, pipeline.example, self._loss_fn, self._device,
-                                      self._compute_dtype)(m)
-            if _ops_of(program) == pipeline.ops:
-                return None
+            tracer = pipeline_tracer(model, pipeline.example, self._loss_fn, self._device,
+                                     self._compute_dtype)
+            if _ops_of(tracer(m)) == pipeline.ops:
+                return None, None
             why = "the model computes other ops in them (dropout, BatchNorm's statistics)"
         except Exception as e:  # noqa: BLE001 - reported on every rank as the reason
-            why = f"the model does not trace in them ({type(e).__name__}: {e})"
-        return (f"the modules' train / eval modes changed since this pipelined model was "
-                f"traced ({_modes_changed(then, now)}) and {why}; a pipelined model runs the "
-                "one program traced at its build (parallelize's example_inputs=, else the "
-                "first step). Set the modes on the model before parallelize (model.train() "
-                "or model.eval(), and a submodule's own) and keep them, plan without a pp "
-                "mesh dimension to switch between training and eval programs, or evaluate a "
-                "plain copy of the model loaded from pmodel.full_state_dict()")
+            tracer, why = None, f"the model does not trace in them ({type(e).__name__}: {e})"
+        return tracer, (
+            f"the modules' train / eval modes changed since this pipelined model was traced "
+            f"({_modes_changed(then, now)}) and {why}; a pipelined model trains with the one "
+            "program traced at its build (parallelize's example_inputs=, else the first "
+            "step), and runs inference in other modes (pmodel.eval(), then pmodel(x)). Set "
+            "the modes for training on the model before parallelize (model.train() or "
+            "model.eval(), and a submodule's own) and train in them, or plan without a pp "
+            "mesh dimension to train in several")
+
+    def _add_pipeline_inference(self, modes: tuple, tracer) -> None:
+        """Inference stages for the modules' `modes` (the model traced in them by `tracer`):
+        planned on the running pipeline's stages and microbatches with the parameters where
+        they are stored (solve_pipeline_plan's `running`), rewritten and cut as the
+        pipeline's own, and added to it; they read the same parameters and buffers."""
+        pipeline = self._pipeline
+        self._set_modes(self._meta.obj)  # the tracer traces the meta copy in these modes
+        self._guards.sync(self, self._meta.obj)
+        plan = self._agreed("planning inference in these modes", lambda: solve_pipeline_plan(
+            tracer, pipeline.plan.pipeline.batch_size, self._spec, self._options,
+            running=pipeline.plan), on_rank0=True)
+        self._check_same_plan(plan)
+        program, _, infer, written, _, _ = self._cut_stages(tracer, plan)
+        pipeline.add_inference(modes, infer, program.params, self._constants(program), written,
+                               program.random_ops)
 
     def _build_pipeline_traced(self, example_inputs: tuple) -> PipelineModule:
         """`_build_pipeline`, its model's values synced and its reads watched."""
@@ -682,6 +711,41 @@ class Parallelized(nn.Module):
         else:
             chosen = self._given_plan
         self._check_same_plan(chosen)
+        pipe = chosen.pipeline
+        program, train, infer, written, comm, loss_placement = self._cut_stages(tracer, chosen)
+        pp = pipe.mesh_dim
+        sub = spec.without(pp)
+        coords = self._coords
+        dims = [k for k in range(mesh.ndim) if k != pp]
+        sub_coords = tuple(coords[k] for k in dims) or (0,)
+        p = mesh.shape[pp]
+        mine, _, _ = stage_parameters(train + infer, program.params, p, coords[pp])
+        submesh = mesh[tuple(mesh.mesh_dim_names[k] for k in dims)] if dims else None
+        self._full_meta = {n: (tuple(t.shape), t.dtype)
+                           for n, t in self._source.obj.named_parameters()}
+        self._place({n: tuple(chosen.parameters[n]) for n in mine}, submesh, sub.shape,
+                    sub_coords)
+        constants = self._constants(program)
+        num_inputs = len(program.inputs) - 1
+        roots = [ValueMeta(tuple(ph.meta["val"].shape), ph.meta["val"].dtype, False)
+                 for ph in program.graph.nodes
+                 if ph.op == "placeholder" and ph.name in program.inputs[:num_inputs]]
+        self._pipeline = PipelineModule(
+            chosen, train, infer, program.params, self._store, constants, comm,
+            mesh.get_group(pp), coords[pp], list(program.inputs), roots, program.out_spec,
+            num_inputs, loss_placement, self._device, self._full_meta,
+            self._compute_dtype, written, program.random_ops)
+        self._pipeline.ops = _ops_of(program)
+        self._pipeline.loss_weights = of_program(program)
+        self._last_plan = chosen
+        return self._pipeline
+
+    def _cut_stages(self, tracer, chosen: Plan) -> tuple:
+        """The model traced by `tracer` (pipeline_tracer), matched to the pipelined plan
+        `chosen`, rewritten for this rank and cut into its stages: (program, train stages,
+        inference stages, buffers written in forward by pp rank, the submesh's comm, where
+        the loss lives)."""
+        spec, mesh = self._spec, self._mesh_holder.obj
         pipe = chosen.pipeline
 
         def match():
@@ -706,12 +770,11 @@ class Parallelized(nn.Module):
 
         program, graph, choice, blocks = self._agreed("matching the plan to the model", match)
         pp = pipe.mesh_dim
-        sub = spec.without(pp)
         stage_of = blocks.stage_of(pipe.cuts, pipe.num_stages)
-        coords = self._coords
         dims = [k for k in range(mesh.ndim) if k != pp]
-        sub_coords = tuple(coords[k] for k in dims) or (0,)
-        comm = SubmeshComm([mesh.get_group(k) for k in dims] or [None], sub.shape)
+        sub_coords = tuple(self._coords[k] for k in dims) or (0,)
+        comm = SubmeshComm([mesh.get_group(k) for k in dims] or [None],
+                           spec.without(pp).shape)
         m = pipe.microbatches
         batch_of_draws = {}
         if program.random_ops:  # each microbatch draws the whole batch's numbers (any m:
@@ -726,30 +789,9 @@ class Parallelized(nn.Module):
         kinds = {name: v.kind for name, v in graph.nodes.items()}
         train = split_stages(programs.train, graph, stage_of, kinds, pipe.num_stages)
         infer = split_stages(programs.infer, graph, stage_of, kinds, pipe.num_stages)
-        p = mesh.shape[pp]
-        written = self._agreed("matching the plan to the model",
-                               lambda: written_buffers(program, train + infer, p))
-        mine, _, _ = stage_parameters(train + infer, program.params, p, coords[pp])
-        submesh = mesh[tuple(mesh.mesh_dim_names[k] for k in dims)] if dims else None
-        self._full_meta = {n: (tuple(t.shape), t.dtype)
-                           for n, t in self._source.obj.named_parameters()}
-        self._place({n: tuple(chosen.parameters[n]) for n in mine}, submesh, sub.shape,
-                    sub_coords)
-        constants = self._constants(program)
-        num_inputs = len(program.inputs) - 1
-        roots = [ValueMeta(tuple(ph.meta["val"].shape), ph.meta["val"].dtype, False)
-                 for ph in program.graph.nodes
-                 if ph.op == "placeholder" and ph.name in program.inputs[:num_inputs]]
-        self._pipeline = PipelineModule(
-            chosen, train, infer, program.params, self._store, constants, comm,
-            mesh.get_group(pp), coords[pp], list(program.inputs), roots, program.out_spec,
-            num_inputs, programs.loss_placement, self._device, self._full_meta,
-            self._compute_dtype, written)
-        self._pipeline.random_ops = program.random_ops
-        self._pipeline.ops = _ops_of(program)
-        self._pipeline.loss_weights = of_program(program)
-        self._last_plan = chosen
-        return self._pipeline
+        written = self._agreed("matching the plan to the model", lambda: written_buffers(
+            program, train + infer, mesh.shape[pp]))
+        return program, train, infer, written, comm, programs.loss_placement
 
     # -- parameters and state -------------------------------------------------------------------
     def _built(self):

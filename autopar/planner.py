@@ -734,13 +734,18 @@ def _local(shape, placements, mesh: MeshSpec):
 
 @planning
 def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
-                        options: PlanOptions | None = None) -> Plan:
+                        options: PlanOptions | None = None, running: Plan | None = None
+                        ) -> Plan:
     """Plan a model over a mesh with a "pp" dimension: cut it into pipeline stages
     (solver/stages.py), then solve each stage's intra-op ILP on the other dimensions, identical
     stages once, each stage's inputs fixed to the placements the previous stage produces.
 
     `trace_at(m)` returns the model traced at the microbatch size `batch // m`. Without
     `options.microbatches` the model is first traced at the whole batch to choose it.
+
+    With `running`, the plan of a pipelined model already running, the model (traced in other
+    modules' modes: eval between training steps) is planned on `running`'s stages, schedule
+    and microbatches, its parameters stored where `running` stores them.
     """
     options = options or PlanOptions()
     if options.per_rank_inputs:
@@ -750,8 +755,9 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
         raise ValueError(f"recompute={options.recompute!r} is not supported with a pp mesh "
                          "dimension yet: pipelined plans keep their activations (more "
                          "microbatches shrink them); drop recompute= or the pp dimension")
-    microbatches, schedule = options.microbatches, options.schedule
-    virtual_stages, solver = options.virtual_stages, options.solver
+    kept = running.pipeline if running is not None else None
+    microbatches = kept.microbatches if kept is not None else options.microbatches
+    schedule, virtual_stages, solver = options.schedule, options.virtual_stages, options.solver
     memory_budget, time_limit = options.memory_budget, options.time_limit
     optimizer, precision = options.optimizer, options.precision
     profile = profiler(options.profile) if options.profile not in (None, False) else None
@@ -787,10 +793,18 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
     graph = strat_pass.build(program, sub.shape)
     cost = _stage_cost(sub, graph, optimizer, precision, profile, options.bucket_bytes)
     blocks = layer_blocks(program, graph)
-    priced = pipe.price_blocks(graph, cost, blocks.of_node, blocks.names, link,
-                               backend=backend, time_limit=time_limit)
-    best = pipe.choose(priced, p, batch, batch // m0, budget, microbatches=microbatches,
-                       schedule=schedule, virtual_stages=virtual_stages, overlap=cost.overlap)
+    if kept is not None:
+        if blocks.names != kept.blocks:
+            raise ValueError("the model traces into other layer blocks in these modes "
+                             f"({blocks.names} vs {kept.blocks})")
+        best = pipe.StageSolution(kept.schedule, kept.microbatches, kept.virtual_stages,
+                                  list(kept.cuts), 0.0, [], [], [])
+    else:
+        priced = pipe.price_blocks(graph, cost, blocks.of_node, blocks.names, link,
+                                   backend=backend, time_limit=time_limit)
+        best = pipe.choose(priced, p, batch, batch // m0, budget, microbatches=microbatches,
+                           schedule=schedule, virtual_stages=virtual_stages,
+                           overlap=cost.overlap)
     m, v, sched = best.microbatches, best.virtual_stages, best.schedule
     if m != m0:
         program = trace_at(m)
@@ -819,6 +833,12 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
         members = [n for n in graph.nodes if stage_of.get(n) == s]
         g = pipe.subgraph(graph, members, choice)
         forced, discouraged = allowed_strategies(g, styles) if styles else (None, None)
+        if running is not None:  # parameters stay where the running plan stores them
+            stored = kept_storage(g, program, {n: tuple(pl) for n, pl in
+                                               running.parameters.items()}, running.zero)
+            forced = dict(forced or {})
+            for n, ks in stored.items():
+                forced[n] = sorted(set(ks) & set(forced.get(n, ks))) or ks
         try:
             picked = pipe.solve_subgraph(g, scaled, cache,
                                          memory_budget=pipe.stage_budget(budget, v),

@@ -106,6 +106,27 @@ class _StageModule(nn.Module):
         return out[0] if self._scalar else tuple(out)
 
 
+def _written(constants: dict[str, torch.Tensor], written: dict[str, int] | None) -> list:
+    """(buffer, pp rank of the stage that writes it) of the buffer placeholders `written`,
+    in one order on every rank."""
+    return [(constants[ph], src) for ph, src in sorted((written or {}).items())]
+
+
+def _draws(programs: list[StageProgram]) -> list:
+    """The random draws of each stage's program, in stage order; an error for a draw a
+    pipeline cannot make as one device does."""
+    out = []
+    for prog in programs:
+        nodes, why = draws_of(prog.module)
+        if why:
+            raise ValueError(f"pipeline stage {prog.index}: {why}, which a pipeline cannot "
+                             "draw as one device does; plan without a pp mesh dimension, or "
+                             "draw such noise with rand_like of a tensor that carries the "
+                             "batch")
+        out.append(nodes)
+    return out
+
+
 def stage_parameters(programs: list[StageProgram], param_names: dict[str, str], p: int,
                      coord: int) -> tuple[list[str], dict[str, int], list[str]]:
     """Which parameters the stages of pp rank `coord` use (of `p` pp ranks), the pp rank that
@@ -130,14 +151,15 @@ class PipelineModule:
                  pp_coord: int, input_names: list[str], root_inputs: list[ValueMeta], out_spec,
                  num_inputs: int, loss_placement, device: torch.device,
                  full_meta: dict[str, tuple], compute_dtype: torch.dtype | None = None,
-                 written: dict[str, int] | None = None):
+                 written: dict[str, int] | None = None, random_ops: list[str] | None = None):
         """`store` holds this rank's shards of the parameters its stages use (see
         `stage_parameters`); `full_meta` the whole shape and dtype of every parameter;
         `compute_dtype` the dtype the stage programs compute in (mixed precision); `written`
         the buffer placeholders a stage writes in forward, with the pp rank of that stage
-        (after a call that rank sends the buffer's value to the others)."""
+        (after a call that rank sends the buffer's value to the others); `random_ops` the
+        draws the program makes."""
         pipe = plan.pipeline
-        self._written = [(constants[ph], src) for ph, src in sorted((written or {}).items())]
+        self._written = _written(constants, written)
         self._compute_dtype = compute_dtype
         self.plan = plan
         self._pipe = pipe
@@ -155,7 +177,7 @@ class PipelineModule:
         self._local = [s for s in range(num_stages) if s % self._p == pp_coord]
         self._last_rank = (num_stages - 1) % self._p
         self._full_meta = full_meta
-        self.random_ops: list[str] = []  # the draws the program makes (set by its builder)
+        self.random_ops = list(random_ops or [])
         self.loss_weights = LossWeights()  # how its microbatches' losses add up (likewise)
         _, self._owner, self._shared = stage_parameters(train + infer, param_names, self._p,
                                                         pp_coord)
@@ -180,44 +202,59 @@ class PipelineModule:
         # it on one device (passes/rules/random.py), from the generator state one device
         # reaches at the stage's first op; every rank moves its generator past the other
         # stages' draws (`_start_draws`), and leaves it where one device's step does.
-        self._draws = {}
-        for kind, programs in (("train", train), ("infer", infer)):
-            self._draws[kind] = []
-            for prog in programs:
-                nodes, why = draws_of(prog.module)
-                if why:
-                    raise ValueError(f"pipeline stage {prog.index}: {why}, which a pipeline "
-                                     "cannot draw as one device does; plan without a pp "
-                                     "mesh dimension, or draw such noise with rand_like of a "
-                                     "tensor that carries the batch")
-                self._draws[kind].append(nodes)
+        self._draws = {"train": _draws(train)}
         self._starts: dict[int, torch.Tensor] | None = None
         self._count: dict[int, int] = {}
         self._end: torch.Tensor | None = None
 
-        root = tuple(meta.empty() for meta in root_inputs)
-        train_stages = [self._stage(train[s], by_placeholder, constants, root, True, num_stages)
+        self._root = tuple(meta.empty() for meta in root_inputs)
+        train_stages = [self._stage(train[s], by_placeholder, constants, True, num_stages)
                         for s in self._local]
         cls = SCHEDULES[pipe.schedule]
         args = train_stages if pipe.schedule == "interleaved" else train_stages[0]
         self._train = cls(args, m, loss_fn=loss_fn, scale_grads=False)
         self._sink: list = []
-        infer_stages = [self._stage(infer[s], by_placeholder, constants, root, False,
-                                    num_stages) for s in self._local]
-        if pipe.schedule == "interleaved":
-            self._infer = ScheduleInterleaved1F1B(infer_stages, m)
-        else:
-            self._infer = ScheduleGPipe(infer_stages[0], m)
-        self._outputs = infer[-1].sent
+        self._inferences: dict = {}
+        self.add_inference(None, infer, param_names, constants, written, self.random_ops)
         self._loss_dtype = train[-1].sent[0].dtype
 
-    def _stage(self, program: StageProgram, params, constants, root, train: bool,
+    def add_inference(self, modes, infer: list[StageProgram], param_names: dict[str, str],
+                      constants: dict[str, torch.Tensor], written: dict[str, int] | None,
+                      random_ops: list[str]) -> None:
+        """Inference stages for the modules' modes `modes` (None: those the pipeline was
+        traced in), cut from a program traced in them and planned on this pipeline's stages
+        with its parameters where they are (autopar's solve_pipeline_plan `running`): `infer`
+        their programs, `param_names` their parameter placeholders' names, `constants` their
+        constants' tensors (the model's buffers, shared with training), `written` the buffers
+        they write, as for the pipeline's own, `random_ops` the draws they make.
+        `infer(..., modes=modes)` runs them."""
+        by_placeholder = {ph: self._by_name[n] for ph, n in param_names.items()
+                          if n in self._by_name}
+        stages = [self._stage(infer[s], by_placeholder, constants, False, len(infer))
+                  for s in self._local]
+        m = self._pipe.microbatches
+        schedule = ScheduleInterleaved1F1B(stages, m) if self._pipe.schedule == "interleaved" \
+            else ScheduleGPipe(stages[0], m)
+        self._draws[("infer", modes)] = _draws(infer)
+        self._inferences[modes] = (schedule, infer[-1].sent, _written(constants, written),
+                                   list(random_ops))
+
+    def infers_in(self, modes) -> bool:
+        """Whether inference stages for `modes` were added."""
+        return modes in self._inferences
+
+    def inference_draws(self, modes) -> list[str]:
+        """The random ops of the inference stages for `modes`."""
+        return self._inferences[modes][3]
+
+    def _stage(self, program: StageProgram, params, constants, train: bool,
                num_stages: int) -> PipelineStage:
         last = program.index == num_stages - 1
         sink = self._sink if last and not train else None
         module = _StageModule(program, params, constants, last and train, sink,
                               self._compute_dtype, self._before_microbatch)
-        inputs = root if program.index == 0 else tuple(m.empty() for m in program.received)
+        inputs = self._root if program.index == 0 else \
+            tuple(m.empty() for m in program.received)
         outputs = tuple(m.empty() for m in program.sent)
         if last and train:
             outputs = outputs[0]
@@ -346,34 +383,37 @@ class PipelineModule:
         torch_compat.all_reduce(flat, group=self._group)
         write_grads(params, unflatten(flat, shapes))
 
-    def _sync_buffers(self) -> None:
-        """Every pp rank's copy of each buffer written in forward takes the value of the pp
-        rank whose stage wrote it (in one order on every rank), so that state_dict() and
-        checkpoints hold one device's buffers on every rank."""
-        for buffer, src in self._written:
+    def _sync_buffers(self, written: list | None = None) -> None:
+        """Every pp rank's copy of each buffer written in forward (`written`, else the
+        training stages') takes the value of the pp rank whose stage wrote it (in one order on
+        every rank), so that state_dict() and checkpoints hold one device's buffers on every
+        rank."""
+        for buffer, src in self._written if written is None else written:
             dist.broadcast(buffer, src=dist.get_global_rank(self._group, src), group=self._group)
 
     def _local_shape(self, name: str) -> tuple[int, ...]:
         return tuple(local_shape(self._full_meta[name][0], self.plan.parameters[name],
                                  self._sub_shape))
 
-    def infer(self, *inputs):
-        """Inference on the global batch through the pipeline (no autograd): returns what the
-        original model returns, whole, on every rank (outputs are the microbatches' outputs
-        concatenated along dimension 0)."""
+    def infer(self, *inputs, modes=None):
+        """Inference on the global batch through the pipeline (no autograd), with the stages
+        for the modules' `modes` (see `add_inference`): returns what the original model
+        returns, whole, on every rank (outputs are the microbatches' outputs concatenated
+        along dimension 0)."""
+        schedule, sent, written, _ = self._inferences[modes]
         feeds = dict(zip(self._input_names, inputs))
         first = tuple(inputs) if 0 in self._local else ()
         self._sink.clear()
-        self._start_draws("infer")
+        self._start_draws(("infer", modes))
         try:
             with torch.no_grad():
-                self._infer.step(*first, return_outputs=False, **feeds)
+                schedule.step(*first, return_outputs=False, **feeds)
         finally:
             self._end_draws()
-        self._sync_buffers()
+        self._sync_buffers(written)
         m = self._pipe.microbatches
         outs = []
-        for i, meta in enumerate(self._outputs):
+        for i, meta in enumerate(sent):
             if self._coord == self._last_rank:
                 t = torch.cat([mb[i] for mb in self._sink]) if meta.shape else self._sink[0][i]
                 t = t.contiguous()

@@ -121,17 +121,10 @@ def modes(kind: str) -> str | float:
     """A pipelined model's train / eval modes. "train_set_before_build": the model in eval
     mode at parallelize (as from_pretrained leaves it), pmodel.train() before the first step:
     returns the largest loss difference to one device training with dropout.
-    "train_after_build" and "eval_after_training": the modes changed after the build, where
-    the model computes other ops: returns the error's message."""
+    "train_after_build": the modes changed after the build for training, where the model
+    computes other ops: returns the error's message."""
     mesh = mesh_for((2,), ("pp",))
-    model, ref, x, y = normed_blocks("bn" if kind == "eval_after_training" else "dropout")
-    if kind == "eval_after_training":
-        pm = autopar.parallelize(model, mesh, loss_fn=F.cross_entropy, example_inputs=(x, y),
-                                 microbatches=1)
-        pm.step(x, y)
-        pm.eval()
-        with torch.no_grad():
-            return _error(lambda: pm(x))
+    model, ref, x, y = normed_blocks("dropout")
     model.eval()
     given = {"example_inputs": (x, y)} if kind == "train_after_build" else {}
     pm = autopar.parallelize(model, mesh, loss_fn=F.cross_entropy, microbatches=2, **given)
@@ -145,6 +138,46 @@ def modes(kind: str) -> str | float:
         loss = pm.step(x, y)
         torch.manual_seed(7 + step)
         worst = max(worst, abs(float(loss - F.cross_entropy(ref(x), y))))
+    return worst
+
+
+def eval_between_steps(norm: str, shape: tuple[int, ...], names: tuple[str, ...],
+                       **options) -> float:
+    """A pipelined model with BatchNorm or dropout ("bn", "dropout") trained, evaluated in
+    eval mode (pmodel.eval(), pmodel(x)), trained on and evaluated again, as a training loop
+    validates between steps: losses, eval outputs (BatchNorm's running statistics, no
+    dropout) and the parameters after the AdamW steps equal one device's. Returns the largest
+    difference."""
+    model, ref, x, y = normed_blocks(norm)
+    pm = autopar.parallelize(model, mesh_for(shape, names), loss_fn=F.cross_entropy,
+                             example_inputs=(x, y), **options)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    worst = 0.0
+    for step in range(3):
+        pm.train()
+        ref.train()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        torch.manual_seed(7 + step)
+        loss = pm.step(x, y)
+        torch.manual_seed(7 + step)
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        opt.step()
+        ref_opt.step()
+        worst = max(worst, abs(float(loss - ref_loss.detach())))
+        if step == 1:
+            continue  # two steps in a row, with the eval stages built
+        pm.eval()
+        ref.eval()
+        with torch.no_grad():
+            got, want = pm(x), ref(x)
+        worst = max(worst, float((got - want).abs().max()))
+    full = pm.full_state_dict()
+    for n, t in ref.state_dict().items():
+        if t.is_floating_point():
+            worst = max(worst, float((full[n] - t).abs().max()))
     return worst
 
 
