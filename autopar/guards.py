@@ -3,8 +3,9 @@
 A program holds what its trace read as constants (passes/trace_values.py). `ValueGuards` keeps
 those values current for a `Parallelized` model: its module tree mirrors the model's plain
 attributes, so `pmodel.drop.p = 0.0` or `pmodel.scale = 2.0` set what the next trace reads; the
-fingerprint of the values the traces read (module attributes, the loss function's globals and
-closure) is part of the key a program is found by, so a changed value traces the model again;
+fingerprint of the values the traces read (module attributes, the globals and closures of
+forward and of the loss function) is part of the key a program is found by, so a changed value
+traces the model again;
 tensors the loss function captured are copied into the programs again when changed in place.
 A value changing at every step would trace at every step: after `MAX_VALUE_SETS` different
 fingerprints the call is refused, saying which values changed and what to do instead.
@@ -21,6 +22,8 @@ from autopar.passes.trace_values import (
     Fingerprint,
     attribute_reads,
     changed,
+    forward_classes,
+    forward_values,
     loss_values,
     plain_value,
     public_values,
@@ -68,6 +71,7 @@ class ValueGuards:
         the copy the programs are traced from: its plain tensor attributes are mirrored as
         themselves (the programs lift them as constants)."""
         self.loss_fn = loss_fn
+        self.classes = forward_classes(model)  # whose forward's globals are watched
         self.root_names: list[str] = []
         self.tensors: list[tuple[nn.Module, str, torch.Tensor]] = []  # mirrored tensors
         for path, m in model.named_modules():
@@ -94,8 +98,10 @@ class ValueGuards:
             self.resolved = [(f"{path or 'model'}.{name}", _module(tree, path), name)
                              for path, name in self.pairs]
         out = [(label, _plain(getattr(m, name, None))) for label, m, name in self.resolved]
+        read = list(forward_values(self.classes))
         if self.loss_fn is not None:
-            out += [(label, self._same_on_ranks(v)) for label, v in loss_values(self.loss_fn)]
+            read += loss_values(self.loss_fn)
+        out += [(label, self._same_on_ranks(v)) for label, v in read]
         return tuple(out)
 
     def _same_on_ranks(self, value):

@@ -77,6 +77,7 @@ from .inputs import (
 from .materialize import aliases, broadcast_from_rank0, local_values
 from .mesh import MeshSpec
 from .options import PlanOptions
+from .originals import watch as watch_originals
 from .plan import Plan
 from .planner import choice_from_plan, input_placement, solve_accumulated, solve_pipeline_plan
 
@@ -121,8 +122,10 @@ class Parallelized(nn.Module):
     trains: forward and backward on the batch, returning the loss; `pmodel(*inputs, **kwargs)`
     infers, returning what the model returns, whole. `parameters()` / `named_parameters()` are
     this rank's shards as DTensors under the model's names; `.plan` is the plan that ran last.
-    `train()` / `eval()` switch between programs traced in each mode (a pipelined model runs
-    the one traced at its build, and refuses modes in which the model computes other ops).
+    `train()` / `eval()` switch between programs traced in each mode (a pipelined model trains
+    with the one traced at its build, and refuses to train in modes in which the model
+    computes other ops). An optimizer step over the parameters of `model` itself is refused
+    (autopar/originals.py): they never get a gradient.
     """
 
     def __init__(self, model: nn.Module, mesh, spec: MeshSpec, options: PlanOptions, loss_fn,
@@ -133,6 +136,7 @@ class Parallelized(nn.Module):
             raise ValueError(hooks)
         self._init_fn = init_fn
         self._compute_dtype = compute_dtype(options.precision)
+        watch_originals(model, self)
         self._source = _Hidden(model)          # the user's model, until the first build
         self._meta = _Hidden(meta_copy(model))  # tracing runs on this copy
         self._aliases = aliases(model)

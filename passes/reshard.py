@@ -92,7 +92,7 @@ def _memoized(shape: tuple[int, ...], src: Placements, dst: Placements,
     try:
         return _steps(shape, src, dst, mesh_shape)
     except ReshardError as e:
-        return e
+        return e.with_traceback(None)  # kept in the cache: not with the frames it unwound
 
 
 def _steps(shape: tuple[int, ...], src: Placements, dst: Placements,

@@ -13,7 +13,9 @@ again when one changed:
 - the loss function: `loss_values` reads the closure variables, default arguments, the globals
   its code names, the plain attributes its code names on objects it reaches that way, and the
   plain attributes of a loss module (`nn.CrossEntropyLoss(label_smoothing=...)`), following
-  the user's own functions it calls a few levels deep.
+  the user's own functions it calls a few levels deep;
+- forward's globals: `forward_values` reads the same of the forward of each of the model's
+  module classes (`forward_classes`): a global or closure value forward reads.
 
 Tensors are fingerprinted by identity here: a tensor the loss function captures is lifted by
 torch.export as a constant that is the user's tensor, and the runtime copies it again when its
@@ -103,6 +105,26 @@ def loss_values(loss_fn) -> Fingerprint:
     """The values `loss_fn`'s Python reads that a trace would keep: see the module docstring."""
     out: list[tuple[str, Any]] = []
     _follow(loss_fn, "loss_fn", out, set(), FOLLOW_DEPTH)
+    return tuple(out)
+
+
+def forward_classes(model: nn.Module) -> list[type]:
+    """The model's module classes whose forward is the user's code (not torch's), once each."""
+    out: list[type] = []
+    for m in model.modules():
+        if type(m) not in out and _is_users(type(m).forward):
+            out.append(type(m))
+    return out
+
+
+def forward_values(classes: list[type]) -> Fingerprint:
+    """The values the forward of each of `classes` reads besides its module's attributes
+    (`attribute_reads`): the globals its code names, its closure variables and defaults,
+    following the user's functions it reaches a few levels deep, as `loss_values`."""
+    out: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    for cls in classes:
+        _follow(cls.forward, f"{cls.__qualname__}.forward", out, seen, FOLLOW_DEPTH)
     return tuple(out)
 
 

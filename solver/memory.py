@@ -434,7 +434,7 @@ def _moved(shape: tuple[int, ...], src, dst, mesh_shape: tuple[int, ...]):
     try:
         steps = plan_steps(shape, src, dst, mesh_shape)
     except ReshardError as e:
-        return e
+        return e.with_traceback(None)  # kept in the cache: not with the frames it unwound
     collectives = [s for s in steps if s.kind != "slice"]
     return collectives[-1].out_shape if collectives else None
 

@@ -42,6 +42,14 @@ def test_backward_through_inference_is_refused(world2, force):
         assert "pmodel.step" in errors[1] or "mixed torch.Tensor and DTensor" in errors[1]
 
 
+def test_an_optimizer_over_the_models_own_parameters_is_refused(world2):
+    for errors in world2.run(loop_tasks.optimizer_over_the_model, (2,), "fsdp"):
+        assert len(errors) == 2, errors
+        assert "SGD.step() would step parameter net.0.weight" in errors[0]
+        assert "AdamW.step() would step parameter net.2.weight" in errors[1]
+        assert all("pmodel.parameters()" in e for e in errors)
+
+
 @pytest.mark.parametrize("force", [None, "zero1"])
 def test_accumulation_weights_microbatches_as_the_batch(world2, force):
     for error in world2.run(loop_tasks.accumulation_weights, (2,), force):
