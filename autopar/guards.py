@@ -22,8 +22,10 @@ from autopar.passes.trace_values import (
     Fingerprint,
     attribute_reads,
     changed,
+    config_value,
     forward_classes,
     forward_values,
+    is_config,
     loss_values,
     plain_value,
     public_values,
@@ -41,10 +43,17 @@ def _module(root: nn.Module, path: str) -> nn.Module | None:
 
 
 def _plain(value):
-    """A watched attribute's fingerprint entry (one set to something else than a plain value
-    by its type's name: the same on every rank)."""
+    """A watched attribute's fingerprint entry: a configuration object's by its fields, one
+    set to something else than a plain value by its type's name (the same on every rank)."""
+    if is_config(value):
+        return config_value(value)
     entry = plain_value(value)
     return entry if entry is not None else ("not a plain value", type(value).__name__)
+
+
+def _configs(module: nn.Module) -> dict:
+    """A module's public configuration objects (`is_config`) by attribute name."""
+    return {n: v for n, v in vars(module).items() if not n.startswith("_") and is_config(v)}
 
 
 def put_back(kept: torch.Tensor, now, what: str) -> str | None:
@@ -68,8 +77,10 @@ class ValueGuards:
     def __init__(self, model: nn.Module, tree: nn.Module, loss_fn):
         """Mirror `model`'s plain public attributes onto `tree` (the parallelized model, which
         holds the model's module tree), except names `tree`'s root already has; `model` is
-        the copy the programs are traced from: its plain tensor attributes are mirrored as
-        themselves (the programs lift them as constants)."""
+        the copy the programs are traced from: its plain tensor attributes and its
+        configuration objects (`pmodel.config`) are mirrored as themselves (the programs lift
+        the tensors as constants; a configuration's fields set through `tree` are the traced
+        copy's)."""
         self.loss_fn = loss_fn
         self.classes = forward_classes(model)  # whose forward's globals are watched
         self.root_names: list[str] = []
@@ -78,7 +89,8 @@ class ValueGuards:
             target = _module(tree, path)
             tensors = {n: v for n, v in vars(m).items() if not n.startswith("_") and
                        isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)}
-            for name, value in [*public_values(m).items(), *tensors.items()]:
+            for name, value in [*public_values(m).items(), *tensors.items(),
+                                *_configs(m).items()]:
                 if not path:
                     if hasattr(tree, name):
                         continue
@@ -136,7 +148,7 @@ class ValueGuards:
             target = _module(traced, path)
             if target is None:
                 continue
-            names = self.root_names if not path else public_values(m)
+            names = self.root_names if not path else [*public_values(m), *_configs(m)]
             for name in names:
                 if name in vars(target):
                     setattr(target, name, getattr(m, name))

@@ -8,8 +8,9 @@ old value. So the caller fingerprints these values at every call (`Fingerprint`)
 again when one changed:
 
 - module attributes: `attribute_reads` records, while tracing, which plain values (numbers,
-  strings, None, tuples of them) forward reads from which module classes; `watched` turns that
-  into (module path, attribute) pairs of the model, read again at every call;
+  strings, None, tuples of them) and configuration objects (a Hugging Face `config`, whose
+  public plain fields count as one value) forward reads from which module classes; `watched`
+  turns that into (module path, attribute) pairs of the model, read again at every call;
 - the loss function: `loss_values` reads the closure variables, default arguments, the globals
   its code names, the plain attributes its code names on objects it reaches that way, and the
   plain attributes of a loss module (`nn.CrossEntropyLoss(label_smoothing=...)`), following
@@ -26,6 +27,7 @@ Private attributes (a leading underscore) and torch's own functions are not foll
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import types
@@ -63,17 +65,35 @@ def public_values(module: nn.Module) -> dict[str, Any]:
     return out
 
 
+def is_config(value: Any) -> bool:
+    """Whether `value` is a configuration object a module keeps (a Hugging Face
+    `PretrainedConfig`, a dataclass of settings): its fields are watched as a whole."""
+    if isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType)) or callable(value):
+        return False
+    return dataclasses.is_dataclass(value) or (hasattr(value, "to_dict") and
+                                                hasattr(value, "__dict__"))
+
+
+def config_value(value: Any):
+    """A configuration object's fingerprint entry: its public plain-valued fields."""
+    return (type(value).__name__, tuple(sorted(
+        (k, plain_value(v)) for k, v in vars(value).items()
+        if not k.startswith("_") and plain_value(v) is not None)))
+
+
 @contextlib.contextmanager
 def attribute_reads() -> Iterator[set[tuple[type, str]]]:
-    """While the block runs (a trace), every read of a public plain-valued attribute of any
-    module is recorded as (the module's class, the attribute's name): tracing runs forward on
-    a fake copy of the model, whose modules are of the model's classes."""
+    """While the block runs (a trace), every read of a public plain-valued attribute or
+    configuration object (`is_config`) of any module is recorded as (the module's class, the
+    attribute's name): tracing runs forward on a fake copy of the model, whose modules are of
+    the model's classes."""
     reads: set[tuple[type, str]] = set()
     previous = nn.Module.__dict__.get("__getattribute__")
 
     def getattribute(self, name):
         value = object.__getattribute__(self, name)
-        if name[0] != "_" and name != "training" and isinstance(value, (*SCALARS, tuple, list)):
+        if name[0] != "_" and name != "training" and (
+                isinstance(value, (*SCALARS, tuple, list)) or is_config(value)):
             reads.add((type(self), name))
         return value
 
@@ -89,14 +109,16 @@ def attribute_reads() -> Iterator[set[tuple[type, str]]]:
 
 def watched(root: nn.Module, reads: set[tuple[type, str]]) -> list[tuple[str, str]]:
     """(module path, attribute) of every module of `root` whose class forward read that
-    plain-valued attribute from (layers traced once and copied share their class)."""
+    plain-valued attribute or configuration object from (layers traced once and copied share
+    their class)."""
     names: dict[type, set[str]] = {}
     for cls, name in reads:
         names.setdefault(cls, set()).add(name)
     out = []
     for path, m in root.named_modules():
         for name in sorted(names.get(type(m), ())):
-            if name in vars(m) and plain_value(vars(m)[name]) is not None:
+            if name in vars(m) and (plain_value(vars(m)[name]) is not None or
+                                    is_config(vars(m)[name])):
                 out.append((path, name))
     return out
 

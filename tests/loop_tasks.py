@@ -6,6 +6,7 @@ single-device model trained the same way."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import io
 import weakref
@@ -503,6 +504,12 @@ AUX_WEIGHT = 1.0  # a global the loss function of `traced_values` reads
 SHIFT = 0.0  # a global _Scaled's forward reads
 
 
+@dataclasses.dataclass
+class _Settings:
+    gain: float = 1.0
+    note: str = "a field forward never reads"
+
+
 class _Scaled(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -511,18 +518,20 @@ class _Scaled(torch.nn.Module):
         self.out = torch.nn.Linear(32, 8)
         self.scale = 1.0   # read by forward
         self.calls = 0     # a counter forward never reads
+        self.config = _Settings()  # a configuration object, as Hugging Face models keep
 
     def forward(self, x):
-        return self.out(self.drop(torch.relu(self.inp(x))) * self.scale + SHIFT)
+        h = self.drop(torch.relu(self.inp(x))) * self.scale * self.config.gain
+        return self.out(h + SHIFT)
 
 
 def traced_values(mesh_shape, force=None) -> None:
     """Python values the trace read, changed between steps, change the next step as on one
-    device: a module attribute and a Dropout's p set through the parallelized model, a global
-    forward reads, a global coefficient, a loss module's label smoothing and a class-weight
-    tensor the loss captures (changed in place). A counter forward never reads changes
-    nothing; a value changed at every step is refused after a few, saying what to do
-    instead."""
+    device: a module attribute, a Dropout's p and a configuration object's field set through
+    the parallelized model, a global forward reads, a global coefficient, a loss module's
+    label smoothing and a class-weight tensor the loss captures (changed in place). A counter
+    forward never reads changes nothing; a value changed at every step is refused after a
+    few, saying what to do instead."""
     global AUX_WEIGHT, SHIFT
     torch.manual_seed(0)
     model = _Scaled().double()
@@ -552,6 +561,7 @@ def traced_values(mesh_shape, force=None) -> None:
     for step, change in enumerate([
             lambda m: setattr(m, "scale", 2.0),
             lambda m: setattr(m.drop, "p", 0.5),
+            lambda m: setattr(m.config, "gain", 1.5),
             lambda m: None if m is ref else globals().__setitem__("SHIFT", 0.25),
             lambda m: None if m is ref else globals().__setitem__("AUX_WEIGHT", 0.5),
             lambda m: None if m is ref else setattr(crit, "label_smoothing", 0.1),
@@ -559,7 +569,7 @@ def traced_values(mesh_shape, force=None) -> None:
         change(pm)
         change(ref)
         same(step)
-    for step in range(7, 7 + 10):  # more changes than programs are traced for
+    for step in range(8, 8 + 10):  # more changes than programs are traced for
         pm.calls += 1
         same(step)
     try:
