@@ -77,6 +77,7 @@ from .inputs import (
 from .materialize import aliases, broadcast_from_rank0, local_values
 from .mesh import MeshSpec
 from .options import PlanOptions
+from .originals import Original
 from .originals import watch as watch_originals
 from .plan import Plan
 from .planner import choice_from_plan, input_placement, solve_accumulated, solve_pipeline_plan
@@ -137,6 +138,7 @@ class Parallelized(nn.Module):
         self._init_fn = init_fn
         self._compute_dtype = compute_dtype(options.precision)
         watch_originals(model, self)
+        self._original = Original(model)  # changes made on it after parallelize follow
         self._source = _Hidden(model)          # the user's model, until the first build
         self._meta = _Hidden(meta_copy(model))  # tracing runs on this copy
         self._aliases = aliases(model)
@@ -264,13 +266,14 @@ class Parallelized(nn.Module):
 
     # -- finding or building the program for a call --------------------------------------------
     def _program_for(self, call: Call, step: bool) -> _Built:
+        original = self._original.follow(self)  # before the key: it may change modes
         key = self._model_key(call)
         built = self._find(key, call, step)
         rebound = self._guards.rebound()
         moved = self._guards.refresh()
         error = check_device(call, self._device) or (check_no_input_grads(call) if step
                                                      else None) or self._module_hooks() \
-            or rebound or self._rebound_buffers(moved)
+            or original or rebound or self._rebound_buffers(moved)
         if error is None and built is None:
             error = self._guards.check(key[0][1])
         if step and not torch.is_grad_enabled():
@@ -548,6 +551,7 @@ class Parallelized(nn.Module):
             owner.register_buffer(last, local[name], persistent=name in persistent)
             self._buffers_whole[name] = local[name]
         self._source = _Hidden(None)
+        self._original.built()
 
     def _broadcast_group(self):
         """The group rank 0's tensors are broadcast over: the gloo control group on CPUs (the
@@ -598,9 +602,10 @@ class Parallelized(nn.Module):
             error = check_no_input_grads(call) or self._module_hooks()
         if error is None and self._pipeline is not None:
             error = self._pipeline.check(call.args)
+        original = self._original.follow(self)
         rebound = self._guards.rebound()
         moved = self._guards.refresh()
-        error = error or rebound or self._rebound_buffers(moved)
+        error = error or original or rebound or self._rebound_buffers(moved)
         if error is None and self._pipeline is not None:
             now = self._guards.fingerprint(self)
             lines = changed(self._pipeline.values, now)

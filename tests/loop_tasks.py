@@ -269,6 +269,53 @@ def optimizer_over_the_model(mesh_shape, force=None) -> list[str]:
     return errors
 
 
+def original_model_changes(mesh_shape, force=None) -> str:
+    """Changes made on the model passed to parallelize after it, as one makes them on the
+    model DistributedDataParallel wraps: model.eval() for a validation pass and model.train()
+    after it, a plain attribute set on it, act on the parallelized model (were ignored: the
+    validation ran with dropout); a hook registered on it, and its weights loaded anew in
+    place, are errors naming the module, or pmodel.load_state_dict (were ignored). Returns
+    the last error."""
+    torch.manual_seed(0)
+    model = _Scaled().double()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 8, (8,))
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=F.cross_entropy, force=force)
+
+    def same_step(seed: int) -> None:
+        torch.manual_seed(seed)
+        loss = pm.step(x, y)
+        torch.manual_seed(seed)
+        ref_loss = F.cross_entropy(ref(x), y)
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+
+    same_step(1)
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), ref(x), rtol=RTOL, atol=ATOL)
+    model.train()
+    ref.train()
+    model.scale = ref.scale = 2.0
+    same_step(2)
+    assert pm.training and pm.scale == 2.0
+    handle = model.out.register_forward_hook(lambda mod, args, out: out * 2)
+    try:
+        pm.step(x, y)
+    except Exception as e:  # noqa: BLE001 - raised on every rank, before any collective
+        assert "hook was registered on (or removed from) module out" in str(e), e
+    else:
+        raise AssertionError("a hook registered on the model passed to parallelize was ignored")
+    handle.remove()
+    same_step(3)
+    model.load_state_dict(ref.state_dict())
+    try:
+        pm.step(x, y)
+    except Exception as e:  # noqa: BLE001 - raised on every rank, before any collective
+        return str(e)
+    raise AssertionError("weights loaded into the model passed to parallelize were ignored")
+
+
 def train_and_eval_modes(mesh_shape, force=None) -> None:
     """A model with dropout: in eval mode the forward call applies none (it equals the
     single-device model in eval mode); back in train mode, steps draw their masks as one

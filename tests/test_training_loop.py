@@ -50,6 +50,13 @@ def test_an_optimizer_over_the_models_own_parameters_is_refused(world2):
         assert all("pmodel.parameters()" in e for e in errors)
 
 
+@pytest.mark.parametrize("force", ["data", "tensor"])
+def test_changes_on_the_model_passed_to_parallelize(world2, force):
+    for error in world2.run(loop_tasks.original_model_changes, (2,), force):
+        assert "inp.weight of the model passed to autopar.parallelize" in error
+        assert "pmodel.load_state_dict" in error
+
+
 @pytest.mark.parametrize("force", [None, "zero1"])
 def test_accumulation_weights_microbatches_as_the_batch(world2, force):
     for error in world2.run(loop_tasks.accumulation_weights, (2,), force):
