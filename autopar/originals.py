@@ -98,7 +98,9 @@ class Original:
                         f"{name or type(m).__name__} of the model passed to "
                         "autopar.parallelize after it; the parallelized model's programs were "
                         "traced with the hooks the model had at parallelize. Register hooks "
-                        "before parallelize")
+                        "(and call Hugging Face's gradient_checkpointing_enable(), which "
+                        "registers one) before parallelize, or recompute with parallelize's "
+                        "recompute=")
             mode = self._modes.get(name)
             if mode is not None and m.training != mode:
                 self._modes[name] = m.training

@@ -166,6 +166,7 @@ class Parallelized(nn.Module):
         self._grad_sync: GradSync | None = None
         self._buffers_whole: dict[str, torch.Tensor] = {}
         self._pipeline: PipelineModule | None = None
+        self._pipeline_plans: dict = {}  # modes (None: the build's) -> the plan they run
         self._last_plan: Plan | None = None
         self._coords = tuple(mesh.get_coordinate())
         self._comm = MeshComm([mesh.get_group(k) for k in range(mesh.ndim)])
@@ -631,8 +632,10 @@ class Parallelized(nn.Module):
                 if not self._pipeline.infers_in(modes):
                     self._add_pipeline_inference(modes, tracer)
             self._check_random_states(self._pipeline.inference_draws(modes), rows)
+            self._last_plan = self._pipeline_plans[modes]
             return self._pipeline.infer(*args, modes=modes)
         self._check_random_states(self._pipeline.random_ops, rows)
+        self._last_plan = self._pipeline_plans[None]
         m = self._pipeline.plan.pipeline.microbatches
         parts = [microbatch(call, m, i).tensors for i in range(m)]
         return self._pipeline.step(*args, weights=self._microbatch_weights(
@@ -708,6 +711,7 @@ class Parallelized(nn.Module):
         program, _, infer, written, _, _ = self._cut_stages(tracer, plan)
         pipeline.add_inference(modes, infer, program.params, self._constants(program), written,
                                program.random_ops)
+        self._pipeline_plans[modes] = plan
 
     def _build_pipeline_traced(self, example_inputs: tuple) -> PipelineModule:
         """`_build_pipeline`, its model's values synced and its reads watched."""
@@ -746,7 +750,7 @@ class Parallelized(nn.Module):
             self._compute_dtype, written, program.random_ops)
         self._pipeline.ops = _ops_of(program)
         self._pipeline.loss_weights = of_program(program)
-        self._last_plan = chosen
+        self._last_plan = self._pipeline_plans[None] = chosen
         return self._pipeline
 
     def _cut_stages(self, tracer, chosen: Plan) -> tuple:
@@ -821,7 +825,7 @@ class Parallelized(nn.Module):
         """Every plan built so far (one per mode and input shape), in the order built."""
         self._built()
         if self._pipeline is not None:
-            return [self._pipeline.plan]
+            return list(self._pipeline_plans.values())
         return [b.plan for bs in self._runners.values() for b in bs]
 
     def parameters(self, recurse: bool = True):

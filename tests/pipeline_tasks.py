@@ -178,6 +178,9 @@ def eval_between_steps(norm: str, shape: tuple[int, ...], names: tuple[str, ...]
     for n, t in ref.state_dict().items():
         if t.is_floating_point():
             worst = max(worst, float((full[n] - t).abs().max()))
+    train_plan, eval_plan = pm.plans  # the eval plan on the training plan's stages
+    assert pm.plan is eval_plan and eval_plan.pipeline.cuts == train_plan.pipeline.cuts
+    assert eval_plan.parameters == train_plan.parameters
     return worst
 
 
