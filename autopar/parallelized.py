@@ -123,10 +123,9 @@ class Parallelized(nn.Module):
     trains: forward and backward on the batch, returning the loss; `pmodel(*inputs, **kwargs)`
     infers, returning what the model returns, whole. `parameters()` / `named_parameters()` are
     this rank's shards as DTensors under the model's names; `.plan` is the plan that ran last.
-    `train()` / `eval()` switch between programs traced in each mode (a pipelined model trains
-    with the one traced at its build, and refuses to train in modes in which the model
-    computes other ops). An optimizer step over the parameters of `model` itself is refused
-    (autopar/originals.py): they never get a gradient.
+    `train()` / `eval()` switch between programs traced in each mode (a pipelined model's on
+    the stages of its build). An optimizer step over the parameters of `model` itself is
+    refused (autopar/originals.py): they never get a gradient.
     """
 
     def __init__(self, model: nn.Module, mesh, spec: MeshSpec, options: PlanOptions, loss_fn,
@@ -166,7 +165,7 @@ class Parallelized(nn.Module):
         self._grad_sync: GradSync | None = None
         self._buffers_whole: dict[str, torch.Tensor] = {}
         self._pipeline: PipelineModule | None = None
-        self._pipeline_plans: dict = {}  # modes (None: the build's) -> the plan they run
+        self._pipeline_plans: dict = {}  # modes (None: the build's) -> (plan, loss weights)
         self._last_plan: Plan | None = None
         self._coords = tuple(mesh.get_coordinate())
         self._comm = MeshComm([mesh.get_group(k) for k in range(mesh.ndim)])
@@ -616,30 +615,27 @@ class Parallelized(nn.Module):
                          "them before its first step, or hold a value that changes in a "
                          "tensor (a buffer of the model, or a tensor the loss function "
                          "captures, changed in place)")
-        tracer = None  # the model in modes the pipeline was not traced in, for inference
+        tracer = None  # the model in modes its pipeline's programs were not traced in
         if error is None and self._pipeline is not None:
-            tracer, why = self._pipeline_modes()
-            if why is not None and (step or tracer is None):
-                error = why
+            tracer, error = self._pipeline_modes()
         rows = self._agree_inputs(call, error, "step()" if step else "the forward call",
                                   moved=moved)
         if self._pipeline is None:
             self._build_pipeline(args)
+        modes = None
+        if tracer is not None:
+            modes = tuple(sorted(self._module_modes().items()))
+            if modes not in self._pipeline_plans:
+                self._add_pipeline_modes(modes, tracer)
+        self._last_plan, loss_weights = self._pipeline_plans[modes]
         if not step:
-            modes = None
-            if tracer is not None:
-                modes = tuple(sorted(self._module_modes().items()))
-                if not self._pipeline.infers_in(modes):
-                    self._add_pipeline_inference(modes, tracer)
             self._check_random_states(self._pipeline.inference_draws(modes), rows)
-            self._last_plan = self._pipeline_plans[modes]
             return self._pipeline.infer(*args, modes=modes)
-        self._check_random_states(self._pipeline.random_ops, rows)
-        self._last_plan = self._pipeline_plans[None]
-        m = self._pipeline.plan.pipeline.microbatches
+        self._check_random_states(self._pipeline.training_draws(modes), rows)
+        m = self._last_plan.pipeline.microbatches
         parts = [microbatch(call, m, i).tensors for i in range(m)]
-        return self._pipeline.step(*args, weights=self._microbatch_weights(
-            self._pipeline.loss_weights, parts))
+        return self._pipeline.step(*args, weights=self._microbatch_weights(loss_weights, parts),
+                                   modes=modes)
 
     def _build_pipeline(self, example_inputs) -> PipelineModule:
         """As `_build`, for a mesh with a "pp" dimension: each rank keeps its stages' programs,
@@ -659,11 +655,11 @@ class Parallelized(nn.Module):
         return pipeline
 
     def _pipeline_modes(self) -> tuple:
-        """(tracer, why) for the modules' modes now: (None, None) when they are those the
+        """(tracer, error) for the modules' modes now: (None, None) when they are those the
         pipelined program was traced in, or when the model traces to the same program in them
-        (a model without dropout or BatchNorm); else why the training program cannot run in
-        them, and the model's pipeline_tracer in them for inference (None when it does not
-        trace in them). Found once for each set of modes."""
+        (a model without dropout or BatchNorm); else the model's pipeline_tracer in them, for
+        the stages of these modes (`_add_pipeline_modes`), or why the model does not trace in
+        them. Found once for each set of modes."""
         pipeline = self._pipeline
         now = self._module_modes()
         key = tuple(sorted(now.items()))
@@ -676,42 +672,39 @@ class Parallelized(nn.Module):
         op by op with the pipelined program (traced in `then`)."""
         pipeline, model = self._pipeline, self._meta.obj
         m = pipeline.plan.pipeline.microbatches
-        tracer = None
         try:
             self._set_modes(model)
             self._guards.sync(self, model)
             tracer = pipeline_tracer(model, pipeline.example, self._loss_fn, self._device,
                                      self._compute_dtype)
-            if _ops_of(tracer(m)) == pipeline.ops:
-                return None, None
-            why = "the model computes other ops in them (dropout, BatchNorm's statistics)"
+            return (None if _ops_of(tracer(m)) == pipeline.ops else tracer), None
         except Exception as e:  # noqa: BLE001 - reported on every rank as the reason
-            tracer, why = None, f"the model does not trace in them ({type(e).__name__}: {e})"
-        return tracer, (
-            f"the modules' train / eval modes changed since this pipelined model was traced "
-            f"({_modes_changed(then, now)}) and {why}; a pipelined model trains with the one "
-            "program traced at its build (parallelize's example_inputs=, else the first "
-            "step), and runs inference in other modes (pmodel.eval(), then pmodel(x)). Set "
-            "the modes for training on the model before parallelize (model.train() or "
-            "model.eval(), and a submodule's own) and train in them, or plan without a pp "
-            "mesh dimension to train in several")
+            return None, (
+                f"the modules' train / eval modes changed since this pipelined model was "
+                f"traced ({_modes_changed(then, now)}) and the model does not trace in them "
+                f"({type(e).__name__}: {e}). Set the modes before parallelize (model.train() "
+                "or model.eval(), and a submodule's own)")
 
-    def _add_pipeline_inference(self, modes: tuple, tracer) -> None:
-        """Inference stages for the modules' `modes` (the model traced in them by `tracer`):
-        planned on the running pipeline's stages and microbatches with the parameters where
-        they are stored (solve_pipeline_plan's `running`), rewritten and cut as the
-        pipeline's own, and added to it; they read the same parameters and buffers."""
+    def _add_pipeline_modes(self, modes: tuple, tracer) -> None:
+        """Training and inference stages for the modules' `modes` (the model traced in them
+        by `tracer`): planned on the running pipeline's stages, schedule and microbatches with
+        the parameters where they are stored (solve_pipeline_plan's `running`), rewritten and
+        cut as the pipeline's own, and added to it; they read and train the same parameters
+        and buffers."""
         pipeline = self._pipeline
         self._set_modes(self._meta.obj)  # the tracer traces the meta copy in these modes
         self._guards.sync(self, self._meta.obj)
-        plan = self._agreed("planning inference in these modes", lambda: solve_pipeline_plan(
+        plan = self._agreed("planning the model in these modes", lambda: solve_pipeline_plan(
             tracer, pipeline.plan.pipeline.batch_size, self._spec, self._options,
             running=pipeline.plan), on_rank0=True)
         self._check_same_plan(plan)
-        program, _, infer, written, _, _ = self._cut_stages(tracer, plan)
-        pipeline.add_inference(modes, infer, program.params, self._constants(program), written,
+        program, train, infer, written, _, loss_placement = self._cut_stages(tracer, plan)
+        constants = self._constants(program)
+        pipeline.add_training(modes, train, program.params, constants, written,
+                              program.random_ops, loss_placement)
+        pipeline.add_inference(modes, infer, program.params, constants, written,
                                program.random_ops)
-        self._pipeline_plans[modes] = plan
+        self._pipeline_plans[modes] = (plan, of_program(program))
 
     def _build_pipeline_traced(self, example_inputs: tuple) -> PipelineModule:
         """`_build_pipeline`, its model's values synced and its reads watched."""
@@ -749,8 +742,8 @@ class Parallelized(nn.Module):
             num_inputs, loss_placement, self._device, self._full_meta,
             self._compute_dtype, written, program.random_ops)
         self._pipeline.ops = _ops_of(program)
-        self._pipeline.loss_weights = of_program(program)
-        self._last_plan = self._pipeline_plans[None] = chosen
+        self._pipeline_plans[None] = (chosen, of_program(program))
+        self._last_plan = chosen
         return self._pipeline
 
     def _cut_stages(self, tracer, chosen: Plan) -> tuple:
@@ -825,7 +818,7 @@ class Parallelized(nn.Module):
         """Every plan built so far (one per mode and input shape), in the order built."""
         self._built()
         if self._pipeline is not None:
-            return list(self._pipeline_plans.values())
+            return [plan for plan, _ in self._pipeline_plans.values()]
         return [b.plan for bs in self._runners.values() for b in bs]
 
     def parameters(self, recurse: bool = True):

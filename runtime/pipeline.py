@@ -35,7 +35,6 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import Replicate
 
 from autopar.passes import torch_compat
-from autopar.passes.loss_weights import LossWeights
 from autopar.passes.pipeline_split import StageProgram, ValueMeta
 from autopar.passes.placement import local_shape
 from autopar.passes.rules.random import MICROBATCH, draws_of, replay
@@ -159,7 +158,6 @@ class PipelineModule:
         (after a call that rank sends the buffer's value to the others); `random_ops` the
         draws the program makes."""
         pipe = plan.pipeline
-        self._written = _written(constants, written)
         self._compute_dtype = compute_dtype
         self.plan = plan
         self._pipe = pipe
@@ -177,13 +175,9 @@ class PipelineModule:
         self._local = [s for s in range(num_stages) if s % self._p == pp_coord]
         self._last_rank = (num_stages - 1) % self._p
         self._full_meta = full_meta
-        self.random_ops = list(random_ops or [])
-        self.loss_weights = LossWeights()  # how its microbatches' losses add up (likewise)
         _, self._owner, self._shared = stage_parameters(train + infer, param_names, self._p,
                                                         pp_coord)
         self._by_name = store.leaves
-        by_placeholder = {ph: self._by_name[n] for ph, n in param_names.items()
-                          if n in self._by_name}
         # Gradients of parameters stored replicated are summed once per step, after the last
         # microbatch (summing after each would add partial sums).
         self._replicated = [
@@ -191,32 +185,48 @@ class PipelineModule:
                  and isinstance(plan.parameters[n][k], Replicate)])
             for k in range(len(self._sub_shape)) if self._sub_shape[k] > 1]
 
-        self._loss = loss_seeding(loss_placement, self._sub_shape)
-        m = pipe.microbatches
-        seed = self._loss.seed
-
-        def loss_fn(output, weight):  # the schedule hands each microbatch its weight's chunk
-            return output * (weight.sum() * seed)
-
         # Random draws: each stage draws, for every microbatch, what the whole batch draws in
         # it on one device (passes/rules/random.py), from the generator state one device
         # reaches at the stage's first op; every rank moves its generator past the other
         # stages' draws (`_start_draws`), and leaves it where one device's step does.
-        self._draws = {"train": _draws(train)}
+        self._draws: dict = {}
         self._starts: dict[int, torch.Tensor] | None = None
         self._count: dict[int, int] = {}
         self._end: torch.Tensor | None = None
 
         self._root = tuple(meta.empty() for meta in root_inputs)
-        train_stages = [self._stage(train[s], by_placeholder, constants, True, num_stages)
-                        for s in self._local]
-        cls = SCHEDULES[pipe.schedule]
-        args = train_stages if pipe.schedule == "interleaved" else train_stages[0]
-        self._train = cls(args, m, loss_fn=loss_fn, scale_grads=False)
         self._sink: list = []
+        self._trainings: dict = {}
         self._inferences: dict = {}
-        self.add_inference(None, infer, param_names, constants, written, self.random_ops)
-        self._loss_dtype = train[-1].sent[0].dtype
+        self.add_training(None, train, param_names, constants, written, random_ops or [],
+                          loss_placement)
+        self.add_inference(None, infer, param_names, constants, written, random_ops or [])
+
+    def add_training(self, modes, train: list[StageProgram], param_names: dict[str, str],
+                     constants: dict[str, torch.Tensor], written: dict[str, int] | None,
+                     random_ops: list[str], loss_placement) -> None:
+        """Training stages for the modules' modes `modes` (None: those the pipeline was
+        traced in), as `add_inference`'s, with where their loss lives (`loss_placement`).
+        `step(..., modes=modes)` runs them."""
+        by_placeholder = {ph: self._by_name[n] for ph, n in param_names.items()
+                          if n in self._by_name}
+        stages = [self._stage(train[s], by_placeholder, constants, True, len(train))
+                  for s in self._local]
+        seeding = loss_seeding(loss_placement, self._sub_shape)
+
+        def loss_fn(output, weight):  # the schedule hands each microbatch its weight's chunk
+            return output * (weight.sum() * seeding.seed)
+
+        cls = SCHEDULES[self._pipe.schedule]
+        args = stages if self._pipe.schedule == "interleaved" else stages[0]
+        schedule = cls(args, self._pipe.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self._draws[("train", modes)] = _draws(train)
+        self._trainings[modes] = (schedule, _written(constants, written), list(random_ops),
+                                  seeding, train[-1].sent[0].dtype)
+
+    def training_draws(self, modes) -> list[str]:
+        """The random ops of the training stages for `modes`."""
+        return self._trainings[modes][2]
 
     def add_inference(self, modes, infer: list[StageProgram], param_names: dict[str, str],
                       constants: dict[str, torch.Tensor], written: dict[str, int] | None,
@@ -238,10 +248,6 @@ class PipelineModule:
         self._draws[("infer", modes)] = _draws(infer)
         self._inferences[modes] = (schedule, infer[-1].sent, _written(constants, written),
                                    list(random_ops))
-
-    def infers_in(self, modes) -> bool:
-        """Whether inference stages for `modes` were added."""
-        return modes in self._inferences
 
     def inference_draws(self, modes) -> list[str]:
         """The random ops of the inference stages for `modes`."""
@@ -310,35 +316,37 @@ class PipelineModule:
                         f"input of shape {tuple(t.shape)}. Re-plan for the new batch.")
         return None
 
-    def step(self, *inputs, weights: list[float]) -> torch.Tensor:
-        """Forward and backward of the global batch through the pipeline schedule, each
-        microbatch's loss times its weight (`weights`, passes/loss_weights.py: their sum is
-        the whole batch's loss); returns that loss (the same on every rank). Gradients of the
-        local shards are complete on return."""
+    def step(self, *inputs, weights: list[float], modes=None) -> torch.Tensor:
+        """Forward and backward of the global batch through the pipeline schedule of the
+        training stages for `modes` (see `add_training`), each microbatch's loss times its
+        weight (`weights`, passes/loss_weights.py: their sum is the whole batch's loss);
+        returns that loss (the same on every rank). Gradients of the local shards are
+        complete on return."""
+        schedule, written, _, seeding, dtype = self._trainings[modes]
         *inputs, target = inputs
         feeds = dict(zip(self._input_names, [*inputs, target]))
         first = tuple(inputs) if 0 in self._local else ()
         losses: list = []
         self._store.pull_grads()
-        self._start_draws("train")
+        self._start_draws(("train", modes))
         try:
-            self._train.step(*first, target=torch.tensor(weights, dtype=self._loss_dtype,
-                                                         device=self._device),
-                             losses=losses, return_outputs=False, **feeds)
+            schedule.step(*first, target=torch.tensor(weights, dtype=dtype,
+                                                      device=self._device),
+                          losses=losses, return_outputs=False, **feeds)
         finally:
             self._end_draws()
         for k, params in self._replicated:
             sum_grads(params, self._comm.groups[k])
         self._sync_shared()
         self._store.push_grads()
-        self._sync_buffers()
-        loss = torch.zeros((), dtype=self._loss_dtype, device=self._device)
+        self._sync_buffers(written)
+        loss = torch.zeros((), dtype=dtype, device=self._device)
         if self._coord == self._last_rank:
             # a microbatch of weight 0 (all its targets ignored: its mean is 0 / 0) adds
             # nothing, as in the whole batch's mean (the schedule keeps microbatch order)
             loss = torch.stack([x.detach() for x, w in zip(losses, weights) if w] or
-                               [loss]).sum() / self._loss.seed
-            for k in self._loss.pending_dims:
+                               [loss]).sum() / seeding.seed
+            for k in seeding.pending_dims:
                 dist.all_reduce(loss, group=self._comm.groups[k])
         dist.broadcast(loss, src=dist.get_global_rank(self._group, self._last_rank),
                        group=self._group)
@@ -383,12 +391,12 @@ class PipelineModule:
         torch_compat.all_reduce(flat, group=self._group)
         write_grads(params, unflatten(flat, shapes))
 
-    def _sync_buffers(self, written: list | None = None) -> None:
-        """Every pp rank's copy of each buffer written in forward (`written`, else the
-        training stages') takes the value of the pp rank whose stage wrote it (in one order on
-        every rank), so that state_dict() and checkpoints hold one device's buffers on every
-        rank."""
-        for buffer, src in self._written if written is None else written:
+    def _sync_buffers(self, written: list) -> None:
+        """Every pp rank's copy of each buffer written in forward (`written`: (buffer, pp rank
+        of the stage that writes it)) takes the value of the pp rank whose stage wrote it (in
+        one order on every rank), so that state_dict() and checkpoints hold one device's
+        buffers on every rank."""
+        for buffer, src in written:
             dist.broadcast(buffer, src=dist.get_global_rank(self._group, src), group=self._group)
 
     def _local_shape(self, name: str) -> tuple[int, ...]:

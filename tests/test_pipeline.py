@@ -640,16 +640,14 @@ def test_pipelined_errors_reach_every_rank(world2):
                "mixes the samples" in m for m in msgs), msgs
 
 
-def test_a_pipelined_model_runs_in_the_modes_set_or_refuses(world2):
+def test_a_pipelined_model_trains_in_the_modes_set_after_its_build(world2):
     # eval at parallelize (as from_pretrained leaves a model), train() before the first step:
-    # dropout trains as on one device
-    worst = world2.run(pipeline_tasks.modes, "train_set_before_build")
-    assert max(worst) < 1e-12, worst
-    # modes changed after the build, where the model computes other ops: an error on every
-    # rank (before, dropout was never applied, and eval mode used BatchNorm's batch statistics)
-    msgs = world2.run(pipeline_tasks.modes, "train_after_build")
-    assert all(m.startswith("RankError") and "was in eval mode, now in training mode" in m
-               and "before parallelize" in m for m in msgs), msgs
+    # dropout trains as on one device, whether the pipeline was built at that step or, with
+    # example_inputs=, in eval mode at parallelize (then the first step adds training stages
+    # in training mode; before: an error)
+    for kind in ("train_set_before_build", "train_after_build"):
+        worst = world2.run(pipeline_tasks.modes, kind)
+        assert max(worst) < 1e-12, (kind, worst)
 
 
 @pytest.mark.parametrize("norm", ["bn", "dropout"])
