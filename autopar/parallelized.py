@@ -891,6 +891,9 @@ class Parallelized(nn.Module):
         if problems:
             raise ValueError("the state dict does not match the model:\n  " +
                              "\n  ".join(problems))
+        duplicated = self._one_ranks_blocks(state_dict, own)
+        if duplicated:
+            raise agreed(ValueError(duplicated))
         with torch.no_grad():
             for name in sorted(set(own) & set(state_dict)):
                 param = store.alias_of(name)
@@ -901,6 +904,32 @@ class Parallelized(nn.Module):
                 else:
                     store.load_whole(param, value)
         return IncompatibleKeys(missing, unexpected)
+
+    def _one_ranks_blocks(self, state_dict, own) -> str | None:
+        """An error message when the sharded DTensors of `state_dict` hold the same local
+        blocks on every rank: one rank's `state_dict()`, saved by that rank alone
+        (torch.save on rank 0, as with DistributedDataParallel) and loaded on all, where each
+        rank would take that rank's blocks for its own. Compared by the hash of the start of
+        up to 32 such tensors, in one small all-gather on the control plane (every rank calls
+        load_state_dict); blocks that are all constant (a model initialized to zeros) say
+        nothing."""
+        shards = [n for n in sorted(set(own) & set(state_dict))
+                  if hasattr(state_dict[n], "to_local") and hasattr(own[n], "placements") and
+                  any(getattr(p, "dim", None) is not None and own[n].device_mesh.size(k) > 1
+                      for k, p in enumerate(own[n].placements))][:32]
+        blocks = [state_dict[n].to_local().detach().reshape(-1)[:1 << 16] for n in shards]
+        mine = (tuple(content_hash(b) for b in blocks),
+                any(b.numel() > 1 and bool((b != b[0]).any()) for b in blocks))
+        rows = self._control.gather_objects(mine)
+        if not mine[0] or not mine[1] or any(row != mine for row in rows):
+            return None
+        return ("the state dict holds the same blocks of its sharded tensors on every rank "
+                f"({', '.join(shards[:3])}{', ...' if len(shards) > 3 else ''}): it is one "
+                "rank's pmodel.state_dict() (this rank's shards), saved by that rank alone, "
+                "and each rank would load that rank's blocks as its own. Save with "
+                "autopar.checkpoint.save(path, pmodel, optimizer) on every rank (any plan "
+                "loads it), or torch.save(pmodel.full_state_dict(), path) (a collective: call "
+                "it on every rank, save on one)")
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter reassembled whole (a collective: call on all ranks)."""

@@ -105,6 +105,34 @@ def state_dict_keys(name, mesh_shape, force=None) -> tuple[list[str], list[str],
     return sorted(sd), sorted(ref.state_dict()), sorted({type(v).__name__ for v in sd.values()})
 
 
+def state_saved_by_one_rank(mesh_shape, force, path: str) -> str:
+    """pmodel.state_dict() saved by rank 0 alone with torch.save (as with
+    DistributedDataParallel) holds rank 0's shards: loading it on every rank is an error
+    naming autopar.checkpoint.save (was: each rank loaded rank 0's blocks, silently). Each
+    rank saving and loading its own state dict loads exactly. Returns the error."""
+    pm, ref, loss_fn, x, y = _pair("mlp", mesh_shape, force)
+    pm.step(x, y)
+    want = pm.full_state_dict()
+    if dist.get_rank() == 0:
+        torch.save(pm.state_dict(), path)
+    mine = io.BytesIO()
+    torch.save(pm.state_dict(), mine)
+    dist.barrier()
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.zero_()
+    try:
+        pm.load_state_dict(torch.load(path, weights_only=False))
+    except ValueError as e:
+        error = str(e)
+    else:
+        raise AssertionError("rank 0's shards were loaded on every rank")
+    mine.seek(0)
+    pm.load_state_dict(torch.load(mine, weights_only=False))
+    check_equal("parameter", pm.full_state_dict(), want)
+    return error
+
+
 def module_tree(mesh_shape, force=None) -> list[str]:
     """The parallelized model's module tree has the model's containers: `pmodel.h[0]`,
     `pmodel.h[-1]`, `len(pmodel.h)` and iterating work as on the model, and a mode set

@@ -86,6 +86,14 @@ def test_state_dict_speaks_the_models_names(world4):
     assert "DTensor" in types
 
 
+@pytest.mark.parametrize("force", ["fsdp", "tensor"])
+def test_a_state_dict_saved_by_one_rank_is_refused(world2, force, tmp_path):
+    for error in world2.run(loop_tasks.state_saved_by_one_rank, (2,), force,
+                            str(tmp_path / "rank0.pt")):
+        assert "same blocks of its sharded tensors on every rank" in error
+        assert "autopar.checkpoint.save" in error
+
+
 def test_module_tree_keeps_the_models_containers(world2):
     names = world2.run(loop_tasks.module_tree, (2,), "fsdp")[0]
     assert names and all(n.startswith(("ln_", "attn.", "mlp.")) for n in names)
