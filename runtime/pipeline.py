@@ -17,6 +17,11 @@ every copy then takes the same optimizer step.
 Buffers written in forward (BatchNorm's running statistics) are written by the one stage that
 runs the op; after each call that stage's pp rank broadcasts them over the pp group, so every
 rank holds one device's buffers.
+
+The stages are those of the program traced in the modules' modes at the build; a model that
+computes other ops in other modes (dropout, BatchNorm) gets training and inference stages of
+its own for them (`add_training`, `add_inference`), on the same stages' cuts, schedule and
+microbatches, reading and training the same parameters and buffers.
 """
 
 from __future__ import annotations
