@@ -956,9 +956,26 @@ class Parallelized(nn.Module):
         total = torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
         return total.full_tensor() if hasattr(total, "full_tensor") else total
 
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_COPIED)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_COPIED)
+
     def _apply(self, fn, recurse: bool = True):
         raise RuntimeError("a parallelized model cannot change device or dtype: call .to() / "
                            ".double() / .cuda() on the model before autopar.parallelize")
+
+
+_NOT_COPIED = (
+    "a parallelized model cannot be copied or pickled (its programs hold this rank's process "
+    "groups and shards). For an average of its weights (EMA, SWA; torch's AveragedModel "
+    "deep-copies the model), keep copies of its parameters, this rank's shards: avg = "
+    "{n: p.detach().clone() for n, p in pmodel.named_parameters()}, update them after each "
+    "step (avg[n].lerp_(p.detach(), 1 - decay)), and evaluate them by loading them with "
+    "pmodel.load_state_dict(avg, strict=False) (keep pmodel.state_dict() copies to load the "
+    "trained weights back). To save the model use autopar.checkpoint.save or "
+    "pmodel.full_state_dict()")
 
 
 def _container_like(module: nn.Module) -> nn.Module:

@@ -133,6 +133,48 @@ def state_saved_by_one_rank(mesh_shape, force, path: str) -> str:
     return error
 
 
+def weight_average(mesh_shape, force=None) -> str:
+    """A parallelized model cannot be copied (torch's AveragedModel deep-copies its model):
+    the error says how to average its weights instead, and that recipe (copies of the
+    parameters' shards, lerp_ after each step, loaded to evaluate, the trained weights loaded
+    back) evaluates as AveragedModel's EMA does on one device and trains on as before.
+    Returns the error."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    pm, ref, loss_fn, x, y = _pair("mlp", mesh_shape, force)
+    pm.step(x, y)
+    try:
+        copy.deepcopy(pm)
+    except TypeError as e:
+        error = str(e)
+    else:
+        raise AssertionError("a parallelized model was deep-copied")
+    decay = 0.5
+    ref_avg = AveragedModel(ref, multi_avg_fn=get_ema_multi_avg_fn(decay))
+    avg = {}
+    opt = torch.optim.SGD(pm.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        pm.step(x, y)
+        loss_fn(ref(x), y).backward()
+        opt.step()
+        ref_opt.step()
+        with torch.no_grad():  # (AveragedModel's first update copies the weights)
+            for n, p in pm.named_parameters():
+                avg[n] = avg[n].lerp_(p.detach(), 1 - decay) if n in avg else p.detach().clone()
+        ref_avg.update_parameters(ref)
+    live = {n: t.detach().clone() for n, t in pm.state_dict().items()}
+    pm.load_state_dict(avg, strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), ref_avg(x), rtol=RTOL, atol=ATOL)
+    pm.load_state_dict(live)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), ref(x), rtol=RTOL, atol=ATOL)
+    return error
+
+
 def module_tree(mesh_shape, force=None) -> list[str]:
     """The parallelized model's module tree has the model's containers: `pmodel.h[0]`,
     `pmodel.h[-1]`, `len(pmodel.h)` and iterating work as on the model, and a mode set

@@ -94,6 +94,12 @@ def test_a_state_dict_saved_by_one_rank_is_refused(world2, force, tmp_path):
         assert "autopar.checkpoint.save" in error
 
 
+@pytest.mark.parametrize("force", ["data", "fsdp"])
+def test_weights_averaged_by_the_recipe_the_copy_error_gives(world2, force):
+    for error in world2.run(loop_tasks.weight_average, (2,), force):
+        assert "cannot be copied" in error and "lerp_" in error
+
+
 def test_module_tree_keeps_the_models_containers(world2):
     names = world2.run(loop_tasks.module_tree, (2,), "fsdp")[0]
     assert names and all(n.startswith(("ln_", "attn.", "mlp.")) for n in names)
