@@ -26,6 +26,7 @@ groups by name, clip_grad_norm_, state_dict() and torch.distributed.checkpoint w
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -60,7 +61,7 @@ from autopar.runtime.params import ParameterStore, local_block, skeleton_child
 from autopar.runtime.pipeline import PipelineModule, SubmeshComm, stage_parameters
 from autopar.runtime.zero import ZeroSync
 from autopar.solver.specs import compute_dtype
-from autopar.solver.stages import StageError
+from autopar.solver.stages import StageError, schedule_problem
 
 from .guards import ValueGuards, put_back
 from .inputs import (
@@ -165,7 +166,8 @@ class Parallelized(nn.Module):
         self._grad_sync: GradSync | None = None
         self._buffers_whole: dict[str, torch.Tensor] = {}
         self._pipeline: PipelineModule | None = None
-        self._pipeline_plans: dict = {}  # modes (None: the build's) -> (plan, loss weights)
+        # (modes, batch) (None: the build's) -> (plan, loss weights, its program cut)
+        self._pipeline_plans: dict = {}
         self._last_plan: Plan | None = None
         self._coords = tuple(mesh.get_coordinate())
         self._comm = MeshComm([mesh.get_group(k) for k in range(mesh.ndim)])
@@ -615,27 +617,36 @@ class Parallelized(nn.Module):
                          "them before its first step, or hold a value that changes in a "
                          "tensor (a buffer of the model, or a tensor the loss function "
                          "captures, changed in place)")
-        tracer = None  # the model in modes its pipeline's programs were not traced in
+        tracer, key = None, None  # the stages to run: the build's (None) or another's
         if error is None and self._pipeline is not None:
-            tracer, error = self._pipeline_modes()
+            batch = batch_size(call.args)
+            modes = tuple(sorted(self._module_modes().items()))
+            if batch == self._pipeline.plan.pipeline.batch_size:
+                tracer, error = self._pipeline_modes()  # None: the build's program runs
+                key = (modes, batch) if tracer is not None else None
+            else:
+                key = (modes, batch)
+                planned = self._pipeline.plan.pipeline.batch_size
+                if key not in self._pipeline_plans and self._options.on_new_shape == "raise":
+                    error = (f"a batch of {batch} differs from the {planned} this pipeline "
+                             "was planned for (on_new_shape='raise'); pass batches of the "
+                             "planned size, or parallelize with on_new_shape='replan'")
         rows = self._agree_inputs(call, error, "step()" if step else "the forward call",
                                   moved=moved)
         if self._pipeline is None:
             self._build_pipeline(args)
-        modes = None
-        if tracer is not None:
-            modes = tuple(sorted(self._module_modes().items()))
-            if modes not in self._pipeline_plans:
-                self._add_pipeline_modes(modes, tracer)
-        self._last_plan, loss_weights = self._pipeline_plans[modes]
+        if key is not None and key not in self._pipeline_plans:
+            self._add_pipeline_variant(key, tracer, call)
+        self._last_plan, loss_weights, _ = self._pipeline_plans[key]
+        if not self._pipeline.has(key, step):
+            self._add_pipeline_stages(key, step)
+        self._check_random_states(self._pipeline.draws(key, step), rows)
         if not step:
-            self._check_random_states(self._pipeline.inference_draws(modes), rows)
-            return self._pipeline.infer(*args, modes=modes)
-        self._check_random_states(self._pipeline.training_draws(modes), rows)
+            return self._pipeline.infer(*args, key=key)
         m = self._last_plan.pipeline.microbatches
         parts = [microbatch(call, m, i).tensors for i in range(m)]
         return self._pipeline.step(*args, weights=self._microbatch_weights(loss_weights, parts),
-                                   modes=modes)
+                                   key=key)
 
     def _build_pipeline(self, example_inputs) -> PipelineModule:
         """As `_build`, for a mesh with a "pp" dimension: each rank keeps its stages' programs,
@@ -685,26 +696,61 @@ class Parallelized(nn.Module):
                 f"({type(e).__name__}: {e}). Set the modes before parallelize (model.train() "
                 "or model.eval(), and a submodule's own)")
 
-    def _add_pipeline_modes(self, modes: tuple, tracer) -> None:
-        """Training and inference stages for the modules' `modes` (the model traced in them
-        by `tracer`): planned on the running pipeline's stages, schedule and microbatches with
-        the parameters where they are stored (solve_pipeline_plan's `running`), rewritten and
-        cut as the pipeline's own, and added to it; they read and train the same parameters
-        and buffers."""
+    def _add_pipeline_variant(self, key: tuple, tracer, call: Call) -> None:
+        """The program for `key`, the modules' modes and the batch of `call` (the model traced
+        in them by `tracer`, or here at the call's batch: another batch size, with the
+        target's shape the build's but for the batch), planned on the running pipeline's
+        stages and schedule with the parameters where they are stored (solve_pipeline_plan's
+        `running`), over as many microbatches as the build's or the most under that the batch
+        splits into (and the schedule runs), rewritten and cut as the pipeline's own. Its
+        training and inference stages are added when a call needs them
+        (`_add_pipeline_stages`)."""
         pipeline = self._pipeline
+        running = pipeline.plan.pipeline
         self._set_modes(self._meta.obj)  # the tracer traces the meta copy in these modes
         self._guards.sync(self, self._meta.obj)
-        plan = self._agreed("planning the model in these modes", lambda: solve_pipeline_plan(
-            tracer, pipeline.plan.pipeline.batch_size, self._spec, self._options,
-            running=pipeline.plan), on_rank0=True)
+        batch = key[1]
+        if tracer is None:
+            target = call.target if call.target is not None else pipeline.example[-1]
+            example = (*[torch.empty_like(t, device="meta") for t in call.args],
+                       torch.empty((batch, *target.shape[1:]), dtype=target.dtype,
+                                   device="meta"))
+            tracer = pipeline_tracer(self._meta.obj, example, self._loss_fn, self._device,
+                                     self._compute_dtype)
+        p = self._spec.shape[running.mesh_dim]
+        splits = [d for d in range(min(running.microbatches, batch), 0, -1) if batch % d == 0]
+        runs = [d for d in splits if not schedule_problem(running.schedule, p, d,
+                                                          running.virtual_stages)]
+        options = dataclasses.replace(self._options, microbatches=(runs or splits)[0])
+        plan = self._agreed("planning the model for this call", lambda: solve_pipeline_plan(
+            tracer, batch, self._spec, options, running=pipeline.plan), on_rank0=True)
         self._check_same_plan(plan)
-        program, train, infer, written, _, loss_placement = self._cut_stages(tracer, plan)
-        constants = self._constants(program)
-        pipeline.add_training(modes, train, program.params, constants, written,
-                              program.random_ops, loss_placement)
-        pipeline.add_inference(modes, infer, program.params, constants, written,
-                               program.random_ops)
-        self._pipeline_plans[modes] = (plan, of_program(program))
+        cut = self._cut_stages(tracer, plan)
+        program = cut[0]
+        self._pipeline_plans[key] = (plan, of_program(program),
+                                     (*cut, self._constants(program), _roots(program)))
+
+    def _add_pipeline_stages(self, key: tuple, train: bool) -> None:
+        """The training (or inference) stages of `key`'s program (`_add_pipeline_variant`),
+        added to the pipeline; an error on every rank when the pipeline's schedule cannot
+        train on so few microbatches."""
+        plan, _, cut = self._pipeline_plans[key]
+        program, stages, infer, written, _, loss_placement, constants, roots = cut
+        pipe = plan.pipeline
+        if train:
+            why = schedule_problem(pipe.schedule, self._spec.shape[pipe.mesh_dim],
+                                   pipe.microbatches, pipe.virtual_stages)
+            if why:
+                raise agreed(ValueError(
+                    f"this pipeline trains with its {pipe.schedule} schedule, and a batch of "
+                    f"{pipe.batch_size} splits into no microbatch count it runs ({why}): "
+                    "train on larger batches (inference takes any)"))
+            self._pipeline.add_training(key, stages, program.params, constants, written,
+                                        program.random_ops, loss_placement, pipe.microbatches,
+                                        roots)
+        else:
+            self._pipeline.add_inference(key, infer, program.params, constants, written,
+                                         program.random_ops, pipe.microbatches, roots)
 
     def _build_pipeline_traced(self, example_inputs: tuple) -> PipelineModule:
         """`_build_pipeline`, its model's values synced and its reads watched."""
@@ -732,17 +778,13 @@ class Parallelized(nn.Module):
         self._place({n: tuple(chosen.parameters[n]) for n in mine}, submesh, sub.shape,
                     sub_coords)
         constants = self._constants(program)
-        num_inputs = len(program.inputs) - 1
-        roots = [ValueMeta(tuple(ph.meta["val"].shape), ph.meta["val"].dtype, False)
-                 for ph in program.graph.nodes
-                 if ph.op == "placeholder" and ph.name in program.inputs[:num_inputs]]
         self._pipeline = PipelineModule(
             chosen, train, infer, program.params, self._store, constants, comm,
-            mesh.get_group(pp), coords[pp], list(program.inputs), roots, program.out_spec,
-            num_inputs, loss_placement, self._device, self._full_meta,
-            self._compute_dtype, written, program.random_ops)
+            mesh.get_group(pp), coords[pp], list(program.inputs), _roots(program),
+            program.out_spec, len(program.inputs) - 1, loss_placement, self._device,
+            self._full_meta, self._compute_dtype, written, program.random_ops)
         self._pipeline.ops = _ops_of(program)
-        self._pipeline_plans[None] = (chosen, of_program(program))
+        self._pipeline_plans[None] = (chosen, of_program(program), None)
         self._last_plan = chosen
         return self._pipeline
 
@@ -818,7 +860,7 @@ class Parallelized(nn.Module):
         """Every plan built so far (one per mode and input shape), in the order built."""
         self._built()
         if self._pipeline is not None:
-            return [plan for plan, _ in self._pipeline_plans.values()]
+            return [plan for plan, _, _ in self._pipeline_plans.values()]
         return [b.plan for bs in self._runners.values() for b in bs]
 
     def parameters(self, recurse: bool = True):
@@ -965,6 +1007,15 @@ class Parallelized(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         raise RuntimeError("a parallelized model cannot change device or dtype: call .to() / "
                            ".double() / .cuda() on the model before autopar.parallelize")
+
+
+def _roots(program: TracedProgram) -> list[ValueMeta]:
+    """The model inputs of a pipelined program (its placeholders but the target's), as the
+    first stage receives them."""
+    num_inputs = len(program.inputs) - 1
+    return [ValueMeta(tuple(ph.meta["val"].shape), ph.meta["val"].dtype, False)
+            for ph in program.graph.nodes
+            if ph.op == "placeholder" and ph.name in program.inputs[:num_inputs]]
 
 
 _NOT_COPIED = (

@@ -744,8 +744,9 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
     `options.microbatches` the model is first traced at the whole batch to choose it.
 
     With `running`, the plan of a pipelined model already running, the model (traced in other
-    modules' modes: eval between training steps) is planned on `running`'s stages, schedule
-    and microbatches, its parameters stored where `running` stores them.
+    modules' modes, eval between training steps, or at another batch size) is planned on
+    `running`'s stages and schedule, over `options.microbatches` (else `running`'s), its
+    parameters stored where `running` stores them.
     """
     options = options or PlanOptions()
     if options.per_rank_inputs:
@@ -756,7 +757,9 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
                          "dimension yet: pipelined plans keep their activations (more "
                          "microbatches shrink them); drop recompute= or the pp dimension")
     kept = running.pipeline if running is not None else None
-    microbatches = kept.microbatches if kept is not None else options.microbatches
+    microbatches = options.microbatches
+    if kept is not None:
+        microbatches = microbatches or kept.microbatches
     schedule, virtual_stages, solver = options.schedule, options.virtual_stages, options.solver
     memory_budget, time_limit = options.memory_budget, options.time_limit
     optimizer, precision = options.optimizer, options.precision
@@ -797,7 +800,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
         if blocks.names != kept.blocks:
             raise ValueError("the model traces into other layer blocks in these modes "
                              f"({blocks.names} vs {kept.blocks})")
-        best = pipe.StageSolution(kept.schedule, kept.microbatches, kept.virtual_stages,
+        best = pipe.StageSolution(kept.schedule, microbatches, kept.virtual_stages,
                                   list(kept.cuts), 0.0, [], [], [])
     else:
         priced = pipe.price_blocks(graph, cost, blocks.of_node, blocks.names, link,

@@ -200,6 +200,7 @@ class PipelineModule:
         self._end: torch.Tensor | None = None
 
         self._root = tuple(meta.empty() for meta in root_inputs)
+        self._m = pipe.microbatches  # of the schedule running
         self._sink: list = []
         self._trainings: dict = {}
         self._inferences: dict = {}
@@ -207,15 +208,18 @@ class PipelineModule:
                           loss_placement)
         self.add_inference(None, infer, param_names, constants, written, random_ops or [])
 
-    def add_training(self, modes, train: list[StageProgram], param_names: dict[str, str],
+    def add_training(self, key, train: list[StageProgram], param_names: dict[str, str],
                      constants: dict[str, torch.Tensor], written: dict[str, int] | None,
-                     random_ops: list[str], loss_placement) -> None:
-        """Training stages for the modules' modes `modes` (None: those the pipeline was
-        traced in), as `add_inference`'s, with where their loss lives (`loss_placement`).
-        `step(..., modes=modes)` runs them."""
+                     random_ops: list[str], loss_placement, microbatches: int | None = None,
+                     roots: list[ValueMeta] | None = None) -> None:
+        """Training stages for `key` (None: the program of the build; else the modules' modes
+        and input shapes of another), as `add_inference`'s, with where their loss lives
+        (`loss_placement`). `step(..., key=key)` runs them."""
         by_placeholder = {ph: self._by_name[n] for ph, n in param_names.items()
                           if n in self._by_name}
-        stages = [self._stage(train[s], by_placeholder, constants, True, len(train))
+        m = microbatches or self._pipe.microbatches
+        root = tuple(meta.empty() for meta in roots) if roots is not None else self._root
+        stages = [self._stage(train[s], by_placeholder, constants, True, len(train), root)
                   for s in self._local]
         seeding = loss_seeding(loss_placement, self._sub_shape)
 
@@ -224,48 +228,50 @@ class PipelineModule:
 
         cls = SCHEDULES[self._pipe.schedule]
         args = stages if self._pipe.schedule == "interleaved" else stages[0]
-        schedule = cls(args, self._pipe.microbatches, loss_fn=loss_fn, scale_grads=False)
-        self._draws[("train", modes)] = _draws(train)
-        self._trainings[modes] = (schedule, _written(constants, written), list(random_ops),
-                                  seeding, train[-1].sent[0].dtype)
+        schedule = cls(args, m, loss_fn=loss_fn, scale_grads=False)
+        self._draws[("train", key)] = _draws(train)
+        self._trainings[key] = (schedule, _written(constants, written), list(random_ops),
+                                seeding, train[-1].sent[0].dtype, m)
 
-    def training_draws(self, modes) -> list[str]:
-        """The random ops of the training stages for `modes`."""
-        return self._trainings[modes][2]
-
-    def add_inference(self, modes, infer: list[StageProgram], param_names: dict[str, str],
+    def add_inference(self, key, infer: list[StageProgram], param_names: dict[str, str],
                       constants: dict[str, torch.Tensor], written: dict[str, int] | None,
-                      random_ops: list[str]) -> None:
-        """Inference stages for the modules' modes `modes` (None: those the pipeline was
-        traced in), cut from a program traced in them and planned on this pipeline's stages
-        with its parameters where they are (autopar's solve_pipeline_plan `running`): `infer`
-        their programs, `param_names` their parameter placeholders' names, `constants` their
-        constants' tensors (the model's buffers, shared with training), `written` the buffers
-        they write, as for the pipeline's own, `random_ops` the draws they make.
-        `infer(..., modes=modes)` runs them."""
+                      random_ops: list[str], microbatches: int | None = None,
+                      roots: list[ValueMeta] | None = None) -> None:
+        """Inference stages for `key` (None: the program of the build; else the modules'
+        modes and input shapes of another, traced in them and planned on this pipeline's
+        stages with its parameters where they are: autopar's solve_pipeline_plan `running`):
+        `infer` their programs, `param_names` their parameter placeholders' names,
+        `constants` their constants' tensors (the model's buffers, shared with training),
+        `written` the buffers they write, as for the pipeline's own, `random_ops` the draws
+        they make, `microbatches` and `roots` (the first stage's inputs) where they differ
+        from the build's. `infer(..., key=key)` runs them."""
         by_placeholder = {ph: self._by_name[n] for ph, n in param_names.items()
                           if n in self._by_name}
-        stages = [self._stage(infer[s], by_placeholder, constants, False, len(infer))
+        m = microbatches or self._pipe.microbatches
+        root = tuple(meta.empty() for meta in roots) if roots is not None else self._root
+        stages = [self._stage(infer[s], by_placeholder, constants, False, len(infer), root)
                   for s in self._local]
-        m = self._pipe.microbatches
         schedule = ScheduleInterleaved1F1B(stages, m) if self._pipe.schedule == "interleaved" \
             else ScheduleGPipe(stages[0], m)
-        self._draws[("infer", modes)] = _draws(infer)
-        self._inferences[modes] = (schedule, infer[-1].sent, _written(constants, written),
-                                   list(random_ops))
+        self._draws[("infer", key)] = _draws(infer)
+        self._inferences[key] = (schedule, infer[-1].sent, _written(constants, written),
+                                 list(random_ops), m)
 
-    def inference_draws(self, modes) -> list[str]:
-        """The random ops of the inference stages for `modes`."""
-        return self._inferences[modes][3]
+    def has(self, key, train: bool) -> bool:
+        """Whether training (or inference) stages for `key` were added."""
+        return key in (self._trainings if train else self._inferences)
+
+    def draws(self, key, train: bool) -> list[str]:
+        """The random ops of the training (or inference) stages for `key`."""
+        return (self._trainings if train else self._inferences)[key][2 if train else 3]
 
     def _stage(self, program: StageProgram, params, constants, train: bool,
-               num_stages: int) -> PipelineStage:
+               num_stages: int, root: tuple) -> PipelineStage:
         last = program.index == num_stages - 1
         sink = self._sink if last and not train else None
         module = _StageModule(program, params, constants, last and train, sink,
                               self._compute_dtype, self._before_microbatch)
-        inputs = self._root if program.index == 0 else \
-            tuple(m.empty() for m in program.received)
+        inputs = root if program.index == 0 else tuple(m.empty() for m in program.received)
         outputs = tuple(m.empty() for m in program.sent)
         if last and train:
             outputs = outputs[0]
@@ -295,7 +301,7 @@ class PipelineModule:
         whole batch is at the stage, and the microbatch's index for its draws' rows."""
         if self._starts is None:
             return
-        if self._count[stage] >= self._pipe.microbatches:  # each forward once, in order
+        if self._count[stage] >= self._m:  # each forward once, in order
             raise RuntimeError(f"pipeline stage {stage} ran more forwards than microbatches")
         set_generator_state(self._device, self._starts[stage])
         MICROBATCH.index = self._count[stage]
@@ -309,31 +315,33 @@ class PipelineModule:
 
     # -- running -------------------------------------------------------------------------------
     def check(self, inputs: tuple) -> str | None:
-        """Why `inputs` (model inputs, without the target) cannot run under this plan, or
-        None."""
+        """Why `inputs` (model inputs, without the target) cannot run through this pipeline,
+        or None: it takes the inputs it was traced with, each carrying the batch along
+        dimension 0 (and with the build's other dimensions: `same_but_batch`)."""
         if len(inputs) != self._num_inputs:
             return f"expected {self._num_inputs} model input(s) as traced, got {len(inputs)}"
-        batch = self._pipe.batch_size
-        for t in inputs:
-            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != batch):
-                return (f"this pipelined plan runs batches of {batch} as "
-                        f"{self._pipe.microbatches} microbatches along dimension 0; got an "
-                        f"input of shape {tuple(t.shape)}. Re-plan for the new batch.")
+        for t, meta in zip(inputs, self._root):
+            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.dim() != meta.dim() or
+                                                tuple(t.shape[1:]) != tuple(meta.shape[1:])):
+                return (f"this pipelined model was traced with inputs of shape "
+                        f"{tuple(meta.shape)} per microbatch, batched along dimension 0; got "
+                        f"an input of shape {tuple(t.shape)}. A pipeline takes other batch "
+                        "sizes but not other shapes: parallelize the model for these")
         return None
 
-    def step(self, *inputs, weights: list[float], modes=None) -> torch.Tensor:
+    def step(self, *inputs, weights: list[float], key=None) -> torch.Tensor:
         """Forward and backward of the global batch through the pipeline schedule of the
-        training stages for `modes` (see `add_training`), each microbatch's loss times its
+        training stages for `key` (see `add_training`), each microbatch's loss times its
         weight (`weights`, passes/loss_weights.py: their sum is the whole batch's loss);
         returns that loss (the same on every rank). Gradients of the local shards are
         complete on return."""
-        schedule, written, _, seeding, dtype = self._trainings[modes]
+        schedule, written, _, seeding, dtype, self._m = self._trainings[key]
         *inputs, target = inputs
         feeds = dict(zip(self._input_names, [*inputs, target]))
         first = tuple(inputs) if 0 in self._local else ()
         losses: list = []
         self._store.pull_grads()
-        self._start_draws(("train", modes))
+        self._start_draws(("train", key))
         try:
             schedule.step(*first, target=torch.tensor(weights, dtype=dtype,
                                                       device=self._device),
@@ -408,23 +416,22 @@ class PipelineModule:
         return tuple(local_shape(self._full_meta[name][0], self.plan.parameters[name],
                                  self._sub_shape))
 
-    def infer(self, *inputs, modes=None):
+    def infer(self, *inputs, key=None):
         """Inference on the global batch through the pipeline (no autograd), with the stages
-        for the modules' `modes` (see `add_inference`): returns what the original model
-        returns, whole, on every rank (outputs are the microbatches' outputs concatenated
-        along dimension 0)."""
-        schedule, sent, written, _ = self._inferences[modes]
+        for `key` (see `add_inference`): returns what the original model returns, whole, on
+        every rank (outputs are the microbatches' outputs concatenated along dimension 0)."""
+        schedule, sent, written, _, self._m = self._inferences[key]
+        m = self._m
         feeds = dict(zip(self._input_names, inputs))
         first = tuple(inputs) if 0 in self._local else ()
         self._sink.clear()
-        self._start_draws(("infer", modes))
+        self._start_draws(("infer", key))
         try:
             with torch.no_grad():
                 schedule.step(*first, return_outputs=False, **feeds)
         finally:
             self._end_draws()
         self._sync_buffers(written)
-        m = self._pipe.microbatches
         outs = []
         for i, meta in enumerate(sent):
             if self._coord == self._last_rank:

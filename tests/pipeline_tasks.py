@@ -61,9 +61,10 @@ def expect_error(kind: str) -> str:
         if kind == "batch_not_divisible":
             autopar.parallelize(model, mesh_for((size,), ("pp",)), loss_fn=loss_fn,
                                 example_inputs=(x, y), microbatches=3)
-        elif kind == "other_batch_at_step":
+        elif kind == "other_batch_refused":
             pm = autopar.parallelize(model, mesh_for((size,), ("pp",)), loss_fn=loss_fn,
-                                     example_inputs=(x, y), microbatches=2)
+                                     example_inputs=(x, y), microbatches=2,
+                                     on_new_shape="raise")
             pm.step(x[:2], y[:2])
         elif kind == "value_changed":  # a value forward reads, changed after the first step
             pm = autopar.parallelize(model, mesh_for((size,), ("pp",)), loss_fn=loss_fn,
@@ -138,6 +139,40 @@ def modes(kind: str) -> float:
         torch.manual_seed(7 + step)
         worst = max(worst, abs(float(loss - F.cross_entropy(ref(x), y).detach())))
     return worst
+
+
+def other_batches(schedule: str) -> str:
+    """A pipelined model given batches of another size than its build's (a smaller last
+    batch, another size for evaluation) plans them on its stages and schedule, with the
+    parameters where they are, over as many microbatches as the build's or the most under
+    that the batch splits into: steps and inference equal one device's. A batch the schedule
+    cannot train on (3 rows: one microbatch, which 1F1B on 2 pp ranks does not run) still
+    infers, and its step is an error saying so. Returns that error ("" if none)."""
+    model, loss_fn, (x, y) = rank_tasks.build("gpt")
+    model, (x, y) = rank_tasks.in_float64(model, (x, y))
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, mesh_for((2,), ("pp",)), loss_fn=loss_fn,
+                             example_inputs=(x, y), microbatches=2, schedule=schedule)
+    error = ""
+    for rows in (len(x), 2, 3, 2):
+        with torch.no_grad():
+            torch.testing.assert_close(pm(x[:rows]), ref(x[:rows]), rtol=rank_tasks.RTOL,
+                                       atol=rank_tasks.ATOL)
+        pm.zero_grad()
+        ref.zero_grad()
+        try:
+            loss = pm.step(x[:rows], y[:rows])
+        except ValueError as e:
+            error = str(e)
+            continue
+        ref_loss = loss_fn(ref(x[:rows]), y[:rows])
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=rank_tasks.RTOL,
+                                   atol=rank_tasks.ATOL)
+        rank_tasks.check_equal("gradient", pm.full_grads(),
+                               {n: p.grad for n, p in ref.named_parameters()})
+    assert [p.pipeline.batch_size for p in pm.plans] == [len(x), 2, 3], pm.plans
+    return error
 
 
 def eval_between_steps(norm: str, shape: tuple[int, ...], names: tuple[str, ...],

@@ -630,14 +630,26 @@ def test_pipelined_training_equals_single_device(world2, world4, name, shape, na
 def test_pipelined_errors_reach_every_rank(world2):
     msgs = world2.run(pipeline_tasks.expect_error, "batch_not_divisible")
     assert all("does not split into 3 microbatches" in m for m in msgs), msgs
-    msgs = world2.run(pipeline_tasks.expect_error, "other_batch_at_step")
-    assert all(m.startswith("RankError") and "batches of 4" in m for m in msgs), msgs
+    msgs = world2.run(pipeline_tasks.expect_error, "other_batch_refused")
+    assert all(m.startswith("RankError") and "a batch of 2 differs from the 4" in m
+               for m in msgs), msgs
     msgs = world2.run(pipeline_tasks.expect_error, "value_changed")
     assert all("wte.scale_grad_by_freq: False -> True" in m and "traced once" in m
                for m in msgs), msgs
     msgs = world2.run(pipeline_tasks.expect_error, "samples_mix")
     assert all(m.startswith("ValueError: microbatches=2: a pipeline schedule would not") and
                "mixes the samples" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipelined_model_takes_other_batch_sizes(world2, schedule):
+    # (before: an error at any other batch size, even the smaller last batch of an epoch)
+    for error in world2.run(pipeline_tasks.other_batches, schedule):
+        if schedule == "gpipe":
+            assert error == "", error
+        else:
+            assert "1f1b schedule" in error and "1F1B needs at least as many microbatches" \
+                in error and "train on larger batches" in error, error
 
 
 def test_a_pipelined_model_trains_in_the_modes_set_after_its_build(world2):
