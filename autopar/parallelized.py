@@ -737,14 +737,17 @@ class Parallelized(nn.Module):
         plan, _, cut = self._pipeline_plans[key]
         program, stages, infer, written, _, loss_placement, constants, roots = cut
         pipe = plan.pipeline
+        # (inference runs GPipe, which takes any count, but for interleaved stages)
+        why = schedule_problem(pipe.schedule, self._spec.shape[pipe.mesh_dim],
+                               pipe.microbatches, pipe.virtual_stages) \
+            if train or pipe.schedule == "interleaved" else None
+        if why:
+            raise agreed(ValueError(
+                f"this pipeline {'trains' if train else 'infers'} with its {pipe.schedule} "
+                f"schedule, and a batch of {pipe.batch_size} splits into no microbatch count "
+                f"it runs ({why}): pass larger batches"
+                + (" (inference takes any)" if pipe.schedule != "interleaved" else "")))
         if train:
-            why = schedule_problem(pipe.schedule, self._spec.shape[pipe.mesh_dim],
-                                   pipe.microbatches, pipe.virtual_stages)
-            if why:
-                raise agreed(ValueError(
-                    f"this pipeline trains with its {pipe.schedule} schedule, and a batch of "
-                    f"{pipe.batch_size} splits into no microbatch count it runs ({why}): "
-                    "train on larger batches (inference takes any)"))
             self._pipeline.add_training(key, stages, program.params, constants, written,
                                         program.random_ops, loss_placement, pipe.microbatches,
                                         roots)
