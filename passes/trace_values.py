@@ -76,8 +76,10 @@ def is_config(value: Any) -> bool:
 
 def config_value(value: Any):
     """A configuration object's fingerprint entry: its public plain-valued fields."""
+    fields = vars(value) if hasattr(value, "__dict__") else \
+        {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}  # __slots__
     return (type(value).__name__, tuple(sorted(
-        (k, plain_value(v)) for k, v in vars(value).items()
+        (k, plain_value(v)) for k, v in fields.items()
         if not k.startswith("_") and plain_value(v) is not None)))
 
 
