@@ -309,7 +309,12 @@ class Parallelized(nn.Module):
                        (tuple(target.shape), str(target.dtype))),
              signature(*(content_hash(t) for t in [*call.tensors, *(moved or ())]))
              if error is None else 0,
-             _rng_signature(self._device)])
+             _rng_signature(self._device), signature(what)])
+        self._control.check_same(
+            "ranks are in different calls of the parallelized model (a call on some ranks "
+            "only, as DistributedDataParallel code evaluating on rank 0 alone makes): every "
+            "rank makes each step() and inference call, whose collectives need them all; "
+            "evaluate on every rank and report on one", rows, 3, what)
         self._control.check_same(
             f"ranks passed inputs of different shapes or dtypes to {what}", rows, 0,
             call.describe())

@@ -175,6 +175,22 @@ def weight_average(mesh_shape, force=None) -> str:
     return error
 
 
+def rank0_alone_evaluates(mesh_shape, force=None) -> str:
+    """DistributedDataParallel code evaluating on rank 0 alone: rank 0's inference call meets
+    the other ranks' next step() in the control plane's agreement, and every rank raises
+    saying so (was: an error about input shapes). Returns the error."""
+    pm, ref, loss_fn, x, y = _pair("mlp", mesh_shape, force)
+    pm.step(x, y)
+    try:
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                pm(x)
+        pm.step(x, y)
+    except autopar.RankError as e:
+        return str(e)
+    raise AssertionError("a call on rank 0 alone ran")
+
+
 def module_tree(mesh_shape, force=None) -> list[str]:
     """The parallelized model's module tree has the model's containers: `pmodel.h[0]`,
     `pmodel.h[-1]`, `len(pmodel.h)` and iterating work as on the model, and a mode set

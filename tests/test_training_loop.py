@@ -100,6 +100,12 @@ def test_weights_averaged_by_the_recipe_the_copy_error_gives(world2, force):
         assert "cannot be copied" in error and "lerp_" in error
 
 
+def test_a_call_on_rank0_alone_is_named(world2):
+    errors = world2.run(loop_tasks.rank0_alone_evaluates, (2,), "fsdp")
+    assert all("ranks are in different calls" in e and "rank 0: the forward call" in e and
+               "rank 1: step()" in e for e in errors), errors
+
+
 def test_module_tree_keeps_the_models_containers(world2):
     names = world2.run(loop_tasks.module_tree, (2,), "fsdp")[0]
     assert names and all(n.startswith(("ln_", "attn.", "mlp.")) for n in names)
