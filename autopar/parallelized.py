@@ -624,18 +624,25 @@ class Parallelized(nn.Module):
                          "captures, changed in place)")
         tracer, key = None, None  # the stages to run: the build's (None) or another's
         if error is None and self._pipeline is not None:
-            batch = batch_size(call.args)
+            shapes = tuple(tuple(t.shape) for t in call.args if isinstance(t, torch.Tensor))
+            planned = tuple(tuple(t.shape) for t in self._pipeline.example[:-1])
             modes = tuple(sorted(self._module_modes().items()))
-            if batch == self._pipeline.plan.pipeline.batch_size:
+            if shapes == planned:
                 tracer, error = self._pipeline_modes()  # None: the build's program runs
-                key = (modes, batch) if tracer is not None else None
+                key = (modes, shapes) if tracer is not None else None
+            elif (modes, shapes) not in self._pipeline_plans:
+                key = (modes, shapes)
+                if self._options.on_new_shape == "raise":
+                    error = (f"inputs of shapes {list(shapes)} differ from the "
+                             f"{list(planned)} this pipeline was planned for (on_new_shape="
+                             "'raise'); pass inputs of the planned shapes, or parallelize "
+                             "with on_new_shape='replan'")
+                elif _target_like(call, self._pipeline.example) is None:
+                    error = ("this pipelined model infers at new input shapes after a step "
+                             "at them: its program is traced with the loss, whose target's "
+                             "shape at these inputs cannot be told from the build's")
             else:
-                key = (modes, batch)
-                planned = self._pipeline.plan.pipeline.batch_size
-                if key not in self._pipeline_plans and self._options.on_new_shape == "raise":
-                    error = (f"a batch of {batch} differs from the {planned} this pipeline "
-                             "was planned for (on_new_shape='raise'); pass batches of the "
-                             "planned size, or parallelize with on_new_shape='replan'")
+                key = (modes, shapes)
         rows = self._agree_inputs(call, error, "step()" if step else "the forward call",
                                   moved=moved)
         if self._pipeline is None:
@@ -702,9 +709,9 @@ class Parallelized(nn.Module):
                 "or model.eval(), and a submodule's own)")
 
     def _add_pipeline_variant(self, key: tuple, tracer, call: Call) -> None:
-        """The program for `key`, the modules' modes and the batch of `call` (the model traced
-        in them by `tracer`, or here at the call's batch: another batch size, with the
-        target's shape the build's but for the batch), planned on the running pipeline's
+        """The program for `key`, the modules' modes and the input shapes of `call` (the model
+        traced in them by `tracer`, or here at the call's inputs and target: `_target_like`
+        for an inference call), planned on the running pipeline's
         stages and schedule with the parameters where they are stored (solve_pipeline_plan's
         `running`), over as many microbatches as the build's or the most under that the batch
         splits into (and the schedule runs), rewritten and cut as the pipeline's own. Its
@@ -714,12 +721,10 @@ class Parallelized(nn.Module):
         running = pipeline.plan.pipeline
         self._set_modes(self._meta.obj)  # the tracer traces the meta copy in these modes
         self._guards.sync(self, self._meta.obj)
-        batch = key[1]
+        batch = batch_size(call.args)
         if tracer is None:
-            target = call.target if call.target is not None else pipeline.example[-1]
             example = (*[torch.empty_like(t, device="meta") for t in call.args],
-                       torch.empty((batch, *target.shape[1:]), dtype=target.dtype,
-                                   device="meta"))
+                       _target_like(call, pipeline.example))
             tracer = pipeline_tracer(self._meta.obj, example, self._loss_fn, self._device,
                                      self._compute_dtype)
         p = self._spec.shape[running.mesh_dim]
@@ -1015,6 +1020,26 @@ class Parallelized(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         raise RuntimeError("a parallelized model cannot change device or dtype: call .to() / "
                            ".double() / .cuda() on the model before autopar.parallelize")
+
+
+def _target_like(call: Call, example: tuple) -> torch.Tensor | None:
+    """A meta tensor of the target a pipelined program at `call`'s inputs is traced with: the
+    call's own (a step), else the build's (`example`: its inputs, then its target) made
+    for these inputs: its shape the first input's where it was the first input's (a language
+    model's tokens), the build's but for the batch where the inputs differ only in the batch;
+    None when it cannot be told."""
+    if call.target is not None:
+        return torch.empty_like(call.target, device="meta")
+    inputs, target = example[:-1], example[-1]
+    first = next(t for t in call.args if isinstance(t, torch.Tensor))
+    if tuple(target.shape) == tuple(inputs[0].shape):
+        shape = tuple(first.shape)
+    elif all(tuple(t.shape[1:]) == tuple(e.shape[1:])
+             for t, e in zip([t for t in call.args if isinstance(t, torch.Tensor)], inputs)):
+        shape = (first.shape[0], *target.shape[1:])
+    else:
+        return None
+    return torch.empty(shape, dtype=target.dtype, device="meta")
 
 
 def _roots(program: TracedProgram) -> list[ValueMeta]:

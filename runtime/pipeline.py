@@ -316,17 +316,15 @@ class PipelineModule:
     # -- running -------------------------------------------------------------------------------
     def check(self, inputs: tuple) -> str | None:
         """Why `inputs` (model inputs, without the target) cannot run through this pipeline,
-        or None: it takes the inputs it was traced with, each carrying the batch along
-        dimension 0 (and with the build's other dimensions: `same_but_batch`)."""
+        or None: it takes as many inputs as it was traced with, of as many dimensions, each
+        carrying the batch along dimension 0 (other shapes get stages of their own)."""
         if len(inputs) != self._num_inputs:
             return f"expected {self._num_inputs} model input(s) as traced, got {len(inputs)}"
         for t, meta in zip(inputs, self._root):
-            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.dim() != meta.dim() or
-                                                tuple(t.shape[1:]) != tuple(meta.shape[1:])):
+            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.dim() != meta.dim()):
                 return (f"this pipelined model was traced with inputs of shape "
                         f"{tuple(meta.shape)} per microbatch, batched along dimension 0; got "
-                        f"an input of shape {tuple(t.shape)}. A pipeline takes other batch "
-                        "sizes but not other shapes: parallelize the model for these")
+                        f"an input of shape {tuple(t.shape)}")
         return None
 
     def step(self, *inputs, weights: list[float], key=None) -> torch.Tensor:

@@ -143,7 +143,8 @@ def modes(kind: str) -> float:
 
 def other_batches(schedule: str) -> str:
     """A pipelined model given batches of another size than its build's (a smaller last
-    batch, another size for evaluation) plans them on its stages and schedule, with the
+    batch, another size for evaluation) or shorter sequences plans them on its stages and
+    schedule, with the
     parameters where they are, over as many microbatches as the build's or the most under
     that the batch splits into: steps and inference equal one device's. A batch the schedule
     cannot train on (3 rows: one microbatch, which 1F1B on 2 pp ranks does not run) still
@@ -154,24 +155,28 @@ def other_batches(schedule: str) -> str:
     pm = autopar.parallelize(model, mesh_for((2,), ("pp",)), loss_fn=loss_fn,
                              example_inputs=(x, y), microbatches=2, schedule=schedule)
     error = ""
-    for rows in (len(x), 2, 3, 2):
+    # (rows, sequence length): a shorter sequence too (a language model's target is shaped
+    # as its tokens: inference there traces with such a target)
+    for rows, seq in ((len(x), x.shape[1]), (2, x.shape[1]), (3, x.shape[1]), (2, 8),
+                      (2, x.shape[1])):
+        xs, ys = x[:rows, :seq].contiguous(), y[:rows, :seq].contiguous()
         with torch.no_grad():
-            torch.testing.assert_close(pm(x[:rows]), ref(x[:rows]), rtol=rank_tasks.RTOL,
+            torch.testing.assert_close(pm(xs), ref(xs), rtol=rank_tasks.RTOL,
                                        atol=rank_tasks.ATOL)
         pm.zero_grad()
         ref.zero_grad()
         try:
-            loss = pm.step(x[:rows], y[:rows])
+            loss = pm.step(xs, ys)
         except ValueError as e:
             error = str(e)
             continue
-        ref_loss = loss_fn(ref(x[:rows]), y[:rows])
+        ref_loss = loss_fn(ref(xs), ys)
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=rank_tasks.RTOL,
                                    atol=rank_tasks.ATOL)
         rank_tasks.check_equal("gradient", pm.full_grads(),
                                {n: p.grad for n, p in ref.named_parameters()})
-    assert [p.pipeline.batch_size for p in pm.plans] == [len(x), 2, 3], pm.plans
+    assert [p.pipeline.batch_size for p in pm.plans] == [len(x), 2, 3, 2], pm.plans
     return error
 
 
