@@ -168,6 +168,7 @@ class Parallelized(nn.Module):
         self._pipeline: PipelineModule | None = None
         # (modes, batch) (None: the build's) -> (plan, loss weights, its program cut)
         self._pipeline_plans: dict = {}
+        self._pipeline_targets: dict = {}  # the same keys -> the target (shape, dtype) traced
         self._last_plan: Plan | None = None
         self._coords = tuple(mesh.get_coordinate())
         self._comm = MeshComm([mesh.get_group(k) for k in range(mesh.ndim)])
@@ -643,6 +644,13 @@ class Parallelized(nn.Module):
                              "shape at these inputs cannot be told from the build's")
             else:
                 key = (modes, shapes)
+            traced = self._pipeline_targets.get(key)
+            if error is None and step and traced is not None and \
+                    (tuple(call.target.shape), call.target.dtype) != traced:
+                error = (f"the target ({tuple(call.target.shape)} {call.target.dtype}) differs "
+                         f"from the {traced[0]} {traced[1]} this pipelined model's program at "
+                         "these inputs was traced with; a pipeline keeps one target shape per "
+                         "input shapes")
         rows = self._agree_inputs(call, error, "step()" if step else "the forward call",
                                   moved=moved)
         if self._pipeline is None:
@@ -722,9 +730,10 @@ class Parallelized(nn.Module):
         self._set_modes(self._meta.obj)  # the tracer traces the meta copy in these modes
         self._guards.sync(self, self._meta.obj)
         batch = batch_size(call.args)
+        target = pipeline.example[-1]  # (the build's inputs: a tracer in other modes)
         if tracer is None:
-            example = (*[torch.empty_like(t, device="meta") for t in call.args],
-                       _target_like(call, pipeline.example))
+            target = _target_like(call, pipeline.example)
+            example = (*[torch.empty_like(t, device="meta") for t in call.args], target)
             tracer = pipeline_tracer(self._meta.obj, example, self._loss_fn, self._device,
                                      self._compute_dtype)
         p = self._spec.shape[running.mesh_dim]
@@ -739,6 +748,7 @@ class Parallelized(nn.Module):
         program = cut[0]
         self._pipeline_plans[key] = (plan, of_program(program),
                                      (*cut, self._constants(program), _roots(program)))
+        self._pipeline_targets[key] = (tuple(target.shape), target.dtype)
 
     def _add_pipeline_stages(self, key: tuple, train: bool) -> None:
         """The training (or inference) stages of `key`'s program (`_add_pipeline_variant`),
@@ -798,6 +808,8 @@ class Parallelized(nn.Module):
             self._full_meta, self._compute_dtype, written, program.random_ops)
         self._pipeline.ops = _ops_of(program)
         self._pipeline_plans[None] = (chosen, of_program(program), None)
+        self._pipeline_targets[None] = (tuple(example_inputs[-1].shape),
+                                        example_inputs[-1].dtype)
         self._last_plan = chosen
         return self._pipeline
 

@@ -66,6 +66,10 @@ def expect_error(kind: str) -> str:
                                      example_inputs=(x, y), microbatches=2,
                                      on_new_shape="raise")
             pm.step(x[:2], y[:2])
+        elif kind == "other_target":  # the inputs of the build, a target of another shape
+            pm = autopar.parallelize(model, mesh_for((size,), ("pp",)), loss_fn=loss_fn,
+                                     example_inputs=(x, y), microbatches=2)
+            pm.step(x, y[:, :8].contiguous())
         elif kind == "value_changed":  # a value forward reads, changed after the first step
             pm = autopar.parallelize(model, mesh_for((size,), ("pp",)), loss_fn=loss_fn,
                                      example_inputs=(x, y), microbatches=2)

@@ -633,6 +633,9 @@ def test_pipelined_errors_reach_every_rank(world2):
     msgs = world2.run(pipeline_tasks.expect_error, "other_batch_refused")
     assert all(m.startswith("RankError") and "inputs of shapes [(2, 16)] differ from the "
                "[(4, 16)] this pipeline was planned for" in m for m in msgs), msgs
+    msgs = world2.run(pipeline_tasks.expect_error, "other_target")
+    assert all(m.startswith("RankError") and "the target ((4, 8) torch.int64) differs from the "
+               "(4, 16) torch.int64" in m for m in msgs), msgs
     msgs = world2.run(pipeline_tasks.expect_error, "value_changed")
     assert all("wte.scale_grad_by_freq: False -> True" in m and "traced once" in m
                for m in msgs), msgs
