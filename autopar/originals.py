@@ -65,9 +65,10 @@ class Original:
     def __init__(self, model: nn.Module):
         """Snapshot `model` at parallelize."""
         self._model = weakref.ref(model)
-        self._modes = {n: m.training for n, m in model.named_modules()}
-        self._hooks = {n: _hooks(m) for n, m in model.named_modules()}
-        self._values = {n: dict(public_values(m)) for n, m in model.named_modules()}
+        # per module, found once: [name, the module, its mode, hooks and plain attributes]
+        self._modules = [[n, weakref.ref(m), m.training, _hooks(m),
+                          {a: plain_value(v) for a, v in public_values(m).items()}]
+                         for n, m in model.named_modules()]
         self._tensors: list[tuple[str, weakref.ref, int]] = []
 
     def built(self) -> None:
@@ -92,8 +93,11 @@ class Original:
                         "an in-place update); the parallelized model keeps its own copy. "
                         "Change it through the parallelized model: pmodel.load_state_dict(...) "
                         "or in place on pmodel's parameter")
-        for name, m in model.named_modules():
-            if name in self._hooks and _hooks(m) != self._hooks[name]:
+        for entry in self._modules:
+            name, m, mode, hooks, seen = entry[0], entry[1](), entry[2], entry[3], entry[4]
+            if m is None:
+                continue
+            if _hooks(m) != hooks:
                 return (f"a hook was registered on (or removed from) module "
                         f"{name or type(m).__name__} of the model passed to "
                         "autopar.parallelize after it; the parallelized model's programs were "
@@ -101,21 +105,19 @@ class Original:
                         "(and call Hugging Face's gradient_checkpointing_enable(), which "
                         "registers one) before parallelize, or recompute with parallelize's "
                         "recompute=")
-            mode = self._modes.get(name)
-            if mode is not None and m.training != mode:
-                self._modes[name] = m.training
+            target = None
+            if m.training != mode:
+                entry[2] = m.training
                 target = _submodule(tree, name)
                 if target is not None:
                     target.training = m.training
-            seen = self._values.get(name)
-            if seen is None:
-                continue
-            for attr, value in public_values(m).items():
-                if attr in seen and plain_value(value) != plain_value(seen[attr]):
-                    seen[attr] = value
-                    target = _submodule(tree, name)
+            for attr, value in seen.items():
+                now = plain_value(vars(m).get(attr))
+                if now is not None and now != value:
+                    seen[attr] = now
+                    target = target or _submodule(tree, name)
                     if target is not None and attr in vars(target):
-                        setattr(target, attr, value)
+                        setattr(target, attr, getattr(m, attr))
         return None
 
 

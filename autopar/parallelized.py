@@ -103,6 +103,25 @@ class _Hidden:
 
 
 @dataclass
+class _Variant:
+    """A pipelined model's program for one set of modules' modes and input shapes: its plan,
+    how its microbatches' losses add up, the target (shape, dtype) it was traced with and,
+    but for the build's own (whose stages the PipelineModule made), the parts its stages are
+    added from (`Parallelized._add_pipeline_stages`)."""
+
+    plan: Plan
+    loss_weights: LossWeights
+    target: tuple
+    program: TracedProgram | None = None
+    train: list | None = None
+    infer: list | None = None
+    written: dict | None = None
+    loss_placement: object = None
+    constants: dict | None = None
+    roots: list | None = None
+
+
+@dataclass
 class _Built:
     """One program built for a call: its runner, the target it was traced with (None: no
     loss_fn), and the random draws it makes."""
@@ -166,9 +185,7 @@ class Parallelized(nn.Module):
         self._grad_sync: GradSync | None = None
         self._buffers_whole: dict[str, torch.Tensor] = {}
         self._pipeline: PipelineModule | None = None
-        # (modes, batch) (None: the build's) -> (plan, loss weights, its program cut)
-        self._pipeline_plans: dict = {}
-        self._pipeline_targets: dict = {}  # the same keys -> the target (shape, dtype) traced
+        self._pipeline_plans: dict = {}  # (modes, input shapes) (None: the build's) -> _Variant
         self._last_plan: Plan | None = None
         self._coords = tuple(mesh.get_coordinate())
         self._comm = MeshComm([mesh.get_group(k) for k in range(mesh.ndim)])
@@ -644,7 +661,7 @@ class Parallelized(nn.Module):
                              "shape at these inputs cannot be told from the build's")
             else:
                 key = (modes, shapes)
-            traced = self._pipeline_targets.get(key)
+            traced = self._pipeline_plans[key].target if key in self._pipeline_plans else None
             if error is None and step and traced is not None and \
                     (tuple(call.target.shape), call.target.dtype) != traced:
                 error = (f"the target ({tuple(call.target.shape)} {call.target.dtype}) differs "
@@ -657,7 +674,7 @@ class Parallelized(nn.Module):
             self._build_pipeline(args)
         if key is not None and key not in self._pipeline_plans:
             self._add_pipeline_variant(key, tracer, call)
-        self._last_plan, loss_weights, _ = self._pipeline_plans[key]
+        self._last_plan = self._pipeline_plans[key].plan
         if not self._pipeline.has(key, step):
             self._add_pipeline_stages(key, step)
         self._check_random_states(self._pipeline.draws(key, step), rows)
@@ -665,8 +682,8 @@ class Parallelized(nn.Module):
             return self._pipeline.infer(*args, key=key)
         m = self._last_plan.pipeline.microbatches
         parts = [microbatch(call, m, i).tensors for i in range(m)]
-        return self._pipeline.step(*args, weights=self._microbatch_weights(loss_weights, parts),
-                                   key=key)
+        weights = self._microbatch_weights(self._pipeline_plans[key].loss_weights, parts)
+        return self._pipeline.step(*args, weights=weights, key=key)
 
     def _build_pipeline(self, example_inputs) -> PipelineModule:
         """As `_build`, for a mesh with a "pp" dimension: each rank keeps its stages' programs,
@@ -744,19 +761,17 @@ class Parallelized(nn.Module):
         plan = self._agreed("planning the model for this call", lambda: solve_pipeline_plan(
             tracer, batch, self._spec, options, running=pipeline.plan), on_rank0=True)
         self._check_same_plan(plan)
-        cut = self._cut_stages(tracer, plan)
-        program = cut[0]
-        self._pipeline_plans[key] = (plan, of_program(program),
-                                     (*cut, self._constants(program), _roots(program)))
-        self._pipeline_targets[key] = (tuple(target.shape), target.dtype)
+        program, train, infer, written, _, loss_placement = self._cut_stages(tracer, plan)
+        self._pipeline_plans[key] = _Variant(
+            plan, of_program(program), (tuple(target.shape), target.dtype), program, train,
+            infer, written, loss_placement, self._constants(program), _roots(program))
 
     def _add_pipeline_stages(self, key: tuple, train: bool) -> None:
         """The training (or inference) stages of `key`'s program (`_add_pipeline_variant`),
         added to the pipeline; an error on every rank when the pipeline's schedule cannot
         train on so few microbatches."""
-        plan, _, cut = self._pipeline_plans[key]
-        program, stages, infer, written, _, loss_placement, constants, roots = cut
-        pipe = plan.pipeline
+        v = self._pipeline_plans[key]
+        pipe = v.plan.pipeline
         # (inference runs GPipe, which takes any count, but for interleaved stages)
         why = schedule_problem(pipe.schedule, self._spec.shape[pipe.mesh_dim],
                                pipe.microbatches, pipe.virtual_stages) \
@@ -768,12 +783,13 @@ class Parallelized(nn.Module):
                 f"it runs ({why}): pass larger batches"
                 + (" (inference takes any)" if pipe.schedule != "interleaved" else "")))
         if train:
-            self._pipeline.add_training(key, stages, program.params, constants, written,
-                                        program.random_ops, loss_placement, pipe.microbatches,
-                                        roots)
+            self._pipeline.add_training(key, v.train, v.program.params, v.constants,
+                                        v.written, v.program.random_ops, v.loss_placement,
+                                        pipe.microbatches, v.roots)
         else:
-            self._pipeline.add_inference(key, infer, program.params, constants, written,
-                                         program.random_ops, pipe.microbatches, roots)
+            self._pipeline.add_inference(key, v.infer, v.program.params, v.constants,
+                                         v.written, v.program.random_ops, pipe.microbatches,
+                                         v.roots)
 
     def _build_pipeline_traced(self, example_inputs: tuple) -> PipelineModule:
         """`_build_pipeline`, its model's values synced and its reads watched."""
@@ -807,9 +823,9 @@ class Parallelized(nn.Module):
             program.out_spec, len(program.inputs) - 1, loss_placement, self._device,
             self._full_meta, self._compute_dtype, written, program.random_ops)
         self._pipeline.ops = _ops_of(program)
-        self._pipeline_plans[None] = (chosen, of_program(program), None)
-        self._pipeline_targets[None] = (tuple(example_inputs[-1].shape),
-                                        example_inputs[-1].dtype)
+        self._pipeline_plans[None] = _Variant(
+            chosen, of_program(program), (tuple(example_inputs[-1].shape),
+                                          example_inputs[-1].dtype))
         self._last_plan = chosen
         return self._pipeline
 
@@ -885,7 +901,7 @@ class Parallelized(nn.Module):
         """Every plan built so far (one per mode and input shape), in the order built."""
         self._built()
         if self._pipeline is not None:
-            return [plan for plan, _, _ in self._pipeline_plans.values()]
+            return [v.plan for v in self._pipeline_plans.values()]
         return [b.plan for bs in self._runners.values() for b in bs]
 
     def parameters(self, recurse: bool = True):

@@ -27,6 +27,7 @@ microbatches, reading and training the same parameters and buffers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ from .collectives import MeshComm
 from .flat import flatten, unflatten, write_grads
 from .generator import generator_state, set_generator_state
 from .grad_sync import sum_grads
-from .loss import loss_seeding
+from .loss import LossSeeding, loss_seeding
 from .params import ParameterStore
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
@@ -108,6 +109,23 @@ class _StageModule(nn.Module):
         if self._sink is not None:  # pipelined inference: keep the outputs of the microbatch
             self._sink.append([t.detach() for t in out])
         return out[0] if self._scalar else tuple(out)
+
+
+@dataclass
+class _Run:
+    """One schedule of a pipeline (its training or inference stages for one key) and what a
+    call through it needs: its microbatch count, the buffers its stages write (with the pp
+    rank that writes each), its random ops and each stage's draws; a training run's loss
+    seeding and dtype, an inference run's last stage's outputs."""
+
+    microbatches: int
+    written: list
+    random_ops: list[str]
+    draws: list
+    schedule: object = None
+    seeding: LossSeeding | None = None
+    loss_dtype: torch.dtype | None = None
+    sent: list = field(default_factory=list)
 
 
 def _written(constants: dict[str, torch.Tensor], written: dict[str, int] | None) -> list:
@@ -194,7 +212,6 @@ class PipelineModule:
         # it on one device (passes/rules/random.py), from the generator state one device
         # reaches at the stage's first op; every rank moves its generator past the other
         # stages' draws (`_start_draws`), and leaves it where one device's step does.
-        self._draws: dict = {}
         self._starts: dict[int, torch.Tensor] | None = None
         self._count: dict[int, int] = {}
         self._end: torch.Tensor | None = None
@@ -215,23 +232,18 @@ class PipelineModule:
         """Training stages for `key` (None: the program of the build; else the modules' modes
         and input shapes of another), as `add_inference`'s, with where their loss lives
         (`loss_placement`). `step(..., key=key)` runs them."""
-        by_placeholder = {ph: self._by_name[n] for ph, n in param_names.items()
-                          if n in self._by_name}
-        m = microbatches or self._pipe.microbatches
-        root = tuple(meta.empty() for meta in roots) if roots is not None else self._root
-        stages = [self._stage(train[s], by_placeholder, constants, True, len(train), root)
-                  for s in self._local]
-        seeding = loss_seeding(loss_placement, self._sub_shape)
+        stages, run = self._run(train, param_names, constants, written, random_ops, True,
+                                microbatches, roots)
+        run.seeding = loss_seeding(loss_placement, self._sub_shape)
+        run.loss_dtype = train[-1].sent[0].dtype
 
         def loss_fn(output, weight):  # the schedule hands each microbatch its weight's chunk
-            return output * (weight.sum() * seeding.seed)
+            return output * (weight.sum() * run.seeding.seed)
 
         cls = SCHEDULES[self._pipe.schedule]
         args = stages if self._pipe.schedule == "interleaved" else stages[0]
-        schedule = cls(args, m, loss_fn=loss_fn, scale_grads=False)
-        self._draws[("train", key)] = _draws(train)
-        self._trainings[key] = (schedule, _written(constants, written), list(random_ops),
-                                seeding, train[-1].sent[0].dtype, m)
+        run.schedule = cls(args, run.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self._trainings[key] = run
 
     def add_inference(self, key, infer: list[StageProgram], param_names: dict[str, str],
                       constants: dict[str, torch.Tensor], written: dict[str, int] | None,
@@ -245,17 +257,24 @@ class PipelineModule:
         `written` the buffers they write, as for the pipeline's own, `random_ops` the draws
         they make, `microbatches` and `roots` (the first stage's inputs) where they differ
         from the build's. `infer(..., key=key)` runs them."""
+        stages, run = self._run(infer, param_names, constants, written, random_ops, False,
+                                microbatches, roots)
+        run.sent = infer[-1].sent
+        run.schedule = ScheduleInterleaved1F1B(stages, run.microbatches) \
+            if self._pipe.schedule == "interleaved" else ScheduleGPipe(stages[0], run.microbatches)
+        self._inferences[key] = run
+
+    def _run(self, programs: list[StageProgram], param_names, constants, written, random_ops,
+             train: bool, microbatches: int | None, roots) -> tuple[list, _Run]:
+        """This rank's `PipelineStage`s of `programs` (training or inference), and the run
+        record their schedule joins (`add_training`, `add_inference`)."""
         by_placeholder = {ph: self._by_name[n] for ph, n in param_names.items()
                           if n in self._by_name}
-        m = microbatches or self._pipe.microbatches
         root = tuple(meta.empty() for meta in roots) if roots is not None else self._root
-        stages = [self._stage(infer[s], by_placeholder, constants, False, len(infer), root)
-                  for s in self._local]
-        schedule = ScheduleInterleaved1F1B(stages, m) if self._pipe.schedule == "interleaved" \
-            else ScheduleGPipe(stages[0], m)
-        self._draws[("infer", key)] = _draws(infer)
-        self._inferences[key] = (schedule, infer[-1].sent, _written(constants, written),
-                                 list(random_ops), m)
+        stages = [self._stage(programs[s], by_placeholder, constants, train, len(programs),
+                              root) for s in self._local]
+        return stages, _Run(microbatches or self._pipe.microbatches,
+                            _written(constants, written), list(random_ops), _draws(programs))
 
     def has(self, key, train: bool) -> bool:
         """Whether training (or inference) stages for `key` were added."""
@@ -263,7 +282,7 @@ class PipelineModule:
 
     def draws(self, key, train: bool) -> list[str]:
         """The random ops of the training (or inference) stages for `key`."""
-        return (self._trainings if train else self._inferences)[key][2 if train else 3]
+        return (self._trainings if train else self._inferences)[key].random_ops
 
     def _stage(self, program: StageProgram, params, constants, train: bool,
                num_stages: int, root: tuple) -> PipelineStage:
@@ -279,10 +298,10 @@ class PipelineModule:
                              input_args=inputs, output_args=outputs, group=self._group)
 
     # -- random draws --------------------------------------------------------------------------
-    def _start_draws(self, kind: str) -> None:
-        """Before a schedule runs: the generator state one device has at each of this rank's
-        stages (moving past the draws of the stages before, in order) and at the step's end."""
-        draws = self._draws[kind]
+    def _start_draws(self, draws: list) -> None:
+        """Before a schedule runs (its stages' `draws`, `_Run.draws`): the generator state one
+        device has at each of this rank's stages (moving past the draws of the stages before,
+        in order) and at the step's end."""
         if not any(draws):
             self._starts = None
             return
@@ -333,31 +352,32 @@ class PipelineModule:
         weight (`weights`, passes/loss_weights.py: their sum is the whole batch's loss);
         returns that loss (the same on every rank). Gradients of the local shards are
         complete on return."""
-        schedule, written, _, seeding, dtype, self._m = self._trainings[key]
+        run = self._trainings[key]
+        self._m = run.microbatches
         *inputs, target = inputs
         feeds = dict(zip(self._input_names, [*inputs, target]))
         first = tuple(inputs) if 0 in self._local else ()
         losses: list = []
         self._store.pull_grads()
-        self._start_draws(("train", key))
+        self._start_draws(run.draws)
         try:
-            schedule.step(*first, target=torch.tensor(weights, dtype=dtype,
-                                                      device=self._device),
-                          losses=losses, return_outputs=False, **feeds)
+            run.schedule.step(*first, target=torch.tensor(weights, dtype=run.loss_dtype,
+                                                          device=self._device),
+                              losses=losses, return_outputs=False, **feeds)
         finally:
             self._end_draws()
         for k, params in self._replicated:
             sum_grads(params, self._comm.groups[k])
         self._sync_shared()
         self._store.push_grads()
-        self._sync_buffers(written)
-        loss = torch.zeros((), dtype=dtype, device=self._device)
+        self._sync_buffers(run.written)
+        loss = torch.zeros((), dtype=run.loss_dtype, device=self._device)
         if self._coord == self._last_rank:
             # a microbatch of weight 0 (all its targets ignored: its mean is 0 / 0) adds
             # nothing, as in the whole batch's mean (the schedule keeps microbatch order)
             loss = torch.stack([x.detach() for x, w in zip(losses, weights) if w] or
-                               [loss]).sum() / seeding.seed
-            for k in seeding.pending_dims:
+                               [loss]).sum() / run.seeding.seed
+            for k in run.seeding.pending_dims:
                 dist.all_reduce(loss, group=self._comm.groups[k])
         dist.broadcast(loss, src=dist.get_global_rank(self._group, self._last_rank),
                        group=self._group)
@@ -418,20 +438,20 @@ class PipelineModule:
         """Inference on the global batch through the pipeline (no autograd), with the stages
         for `key` (see `add_inference`): returns what the original model returns, whole, on
         every rank (outputs are the microbatches' outputs concatenated along dimension 0)."""
-        schedule, sent, written, _, self._m = self._inferences[key]
-        m = self._m
+        run = self._inferences[key]
+        m = self._m = run.microbatches
         feeds = dict(zip(self._input_names, inputs))
         first = tuple(inputs) if 0 in self._local else ()
         self._sink.clear()
-        self._start_draws(("infer", key))
+        self._start_draws(run.draws)
         try:
             with torch.no_grad():
-                schedule.step(*first, return_outputs=False, **feeds)
+                run.schedule.step(*first, return_outputs=False, **feeds)
         finally:
             self._end_draws()
-        self._sync_buffers(written)
+        self._sync_buffers(run.written)
         outs = []
-        for i, meta in enumerate(sent):
+        for i, meta in enumerate(run.sent):
             if self._coord == self._last_rank:
                 t = torch.cat([mb[i] for mb in self._sink]) if meta.shape else self._sink[0][i]
                 t = t.contiguous()
