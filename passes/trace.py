@@ -24,6 +24,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from . import fold as layer_fold
 from .forked import Forked, can_fork
+from .functionalize import WriteError, functionalize_activation_writes
 from .side_effects import SideEffectWatch
 from .torch_compat import (
     ASSERTION_OPS,
@@ -293,6 +294,7 @@ def _program(ep, root: nn.Module, model: nn.Module, loss_fn, stack: layer_fold.S
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     gm.recompile()
+    _functionalize(gm)
 
     canonical = {id(p): name for name, p in model.named_parameters()}
     with_loss = loss_fn is not None or (isinstance(root, _Step) and root.result.found)
@@ -842,6 +844,19 @@ def _inline_grad_mode_wrappers(gm: fx.GraphModule) -> None:
             raise TraceError(
                 f"unsupported higher-order op {node.target.__name__} at node {node.name}: "
                 "autopar needs one flat graph (no torch.cond, checkpoint or while_loop)")
+
+
+def _functionalize(gm: fx.GraphModule) -> None:
+    """Make writes into activations functional (passes/functionalize.py), or raise TraceError
+    naming the model line of one it cannot."""
+    try:
+        functionalize_activation_writes(gm)
+    except WriteError as e:
+        where = source_line(e.node)
+        raise TraceError(
+            f"the model writes into a tensor in place ({e}){' at ' + where if where else ''}; "
+            "autopar cannot make this write part of a sharded program. Write it out of place "
+            "(e.g. torch.where, torch.cat, or x = x.clone() and index_put) instead.") from None
 
 
 def _refuse_checkpoint(why: str):

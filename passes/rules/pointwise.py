@@ -87,7 +87,8 @@ facts(aten.logical_not.default, aten.sign.default, aten.floor.default, aten.ceil
       aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
       aten.logical_or.default, aten.lerp.Scalar, aten.div.Tensor_mode, aten.remainder.Tensor,
       aten.fmod.Tensor, aten.zeros_like.default, aten.ones_like.default,
-      aten.full_like.default, aten.fill.Scalar, aten.copy.default, aten.tril.default,
+      aten.full_like.default, aten.fill.Scalar, aten.fill.Tensor, aten.copy.default,
+      aten.tril.default,
       aten.triu.default, aten.type_as.default, saves=SAVES_NOTHING)
 # The gradient handed on as it is (a sum's operands, a copy's input); a difference negates
 # its second operand's in a kernel.
@@ -179,6 +180,16 @@ def division(call: OpCall) -> list[Rule1D]:
 
 
 facts(aten.broadcast_tensors.default, view=True, saves=SAVES_NOTHING)
+
+
+@register(aten.fill.Scalar, aten.fill.Tensor, aten.zeros_like.default, aten.ones_like.default,
+          aten.full_like.default)
+def fill(call: OpCall) -> list[Rule1D]:
+    """A tensor of `self`'s shape holding one value (a scalar, or a 0-d tensor): each rank
+    makes its block."""
+    rest = tuple(R for _ in call.inputs[1:])
+    return [Rule1D((Shard(d), *rest), Shard(d)) for d in range(len(call.out_shape))
+            if call.out_shape[d] != 1] + [Rule1D((R, *rest), R)]
 
 
 @register(aten.broadcast_tensors.default)

@@ -175,12 +175,45 @@ def slice_(call: OpCall) -> list[Rule1D]:
                                 if j != dim or x.shape[j] == call.out_shape[j]})
 
 
+@register(aten.narrow.default)
+def narrow(call: OpCall) -> list[Rule1D]:
+    """`length` elements from `start` along one dimension: the others may be sharded."""
+    return slice_(call)
+
+
 @register(aten.select.int)
 def select(call: OpCall) -> list[Rule1D]:
     """Pick one index along a dimension, which disappears."""
     x = call.inputs[0]
     dim = norm_dim(call.args[1], x.ndim)
     return dim_map_rules(call, {j: j if j < dim else j - 1 for j in range(x.ndim) if j != dim})
+
+
+# Writes into a part of a tensor, made functional (passes/functionalize.py): the whole tensor
+# with the part replaced. Linear in (base, part) together; backward slices the gradient.
+facts(aten.slice_scatter.default, aten.select_scatter.default, saves=SAVES_NOTHING)
+
+
+@register(aten.slice_scatter.default)
+def slice_scatter(call: OpCall) -> list[Rule1D]:
+    """The base with a slice along one dimension replaced by the part: the base and the part
+    sharded alike on any other dimension."""
+    x = call.inputs[0]
+    dim = norm_dim(call.arg(2, "dim", 0), x.ndim)
+    rules = [Rule1D((Shard(j), Shard(j)), Shard(j)) for j in range(x.ndim)
+             if j != dim or x.shape[j] == call.inputs[1].shape[j]]
+    return rules + [Rule1D((R, R), R), Rule1D((P, P), P)]
+
+
+@register(aten.select_scatter.default)
+def select_scatter(call: OpCall) -> list[Rule1D]:
+    """The base with one index along a dimension replaced by the part (which lacks that
+    dimension): the base and the part sharded alike on any other dimension."""
+    x = call.inputs[0]
+    dim = norm_dim(call.args[2], x.ndim)
+    rules = [Rule1D((Shard(j), Shard(j if j < dim else j - 1)), Shard(j))
+             for j in range(x.ndim) if j != dim]
+    return rules + [Rule1D((R, R), R), Rule1D((P, P), P)]
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
