@@ -36,7 +36,7 @@ class WriteError(RuntimeError):
     as a TraceError with the model line)."""
 
 
-def _written_arg(node: fx.Node) -> int | None:
+def written_arg(node: fx.Node) -> int | None:
     """The position of the argument an in-place op writes into, or None for other nodes."""
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None or not schema.is_mutable:
@@ -62,7 +62,7 @@ def _is_view(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     returns = schema.returns if schema is not None else []
     return len(returns) == 1 and returns[0].alias_info is not None and \
-        _written_arg(node) is None and node.target.overloadpacket not in _SPLITS
+        written_arg(node) is None and node.target.overloadpacket not in _SPLITS
 
 
 def _arg(node: fx.Node, i: int, name: str, default=None):
@@ -227,7 +227,7 @@ def functionalize_activation_writes(gm: fx.GraphModule) -> int:
             continue
         node.args = fx.node.map_arg(node.args, lambda a, at=node: current(a, at))
         node.kwargs = fx.node.map_arg(node.kwargs, lambda a, at=node: current(a, at))
-        written = _written_arg(node)
+        written = written_arg(node)
         if written is None:
             if _is_view(node):
                 viewed = _view_input(node)

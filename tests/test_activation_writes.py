@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.passes.functionalize import _written_arg
+from autopar.passes.functionalize import written_arg
 from autopar.passes.trace import TraceError, trace
 from tests import write_tasks
 
@@ -20,7 +20,7 @@ def _traced(model, x):
 def test_no_write_into_an_activation_is_left_in_the_program():
     program = _traced(write_tasks.ActivationWrites(), torch.randn(8, 16))
     graph = program.graph_module.graph
-    writes = [n for n in graph.nodes if _written_arg(n) is not None]
+    writes = [n for n in graph.nodes if written_arg(n) is not None]
     assert writes == [], [str(n.target) for n in writes]
     targets = {n.target for n in graph.nodes}
     assert torch.ops.aten.slice_scatter.default in targets
