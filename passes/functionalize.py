@@ -120,6 +120,9 @@ def _scatter(graph: fx.Graph, view: fx.Node, base: fx.Node, src: fx.Node) -> fx.
         dims = [d % len(args[0]) for d in args[0]]
         return graph.call_function(aten.permute.default,
                                    (src, [dims.index(i) for i in range(len(dims))]))
+    if packet is aten.detach:
+        raise WriteError(f"a write through {target}: a detached view, or a tensor written "
+                         "inside torch.no_grad(), whose new values autograd would not see")
     raise WriteError(f"a write through {target} (a view autopar cannot put back into the "
                      "tensor it views)")
 

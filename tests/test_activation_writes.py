@@ -72,6 +72,24 @@ def test_a_write_that_cannot_be_made_functional_is_refused():
     assert "out of place" in message
 
 
+class _NoGradWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            h[:, 0] = 0.0
+        return self.b(h * 2)
+
+
+def test_a_write_under_no_grad_is_refused():
+    # one device lets the gradient through the written positions as if unwritten
+    with pytest.raises(TraceError, match="inside torch.no_grad"):
+        _traced(_NoGradWrite(), torch.randn(8, 16))
+
+
 @pytest.mark.parametrize("force", ["data", "tensor", "fsdp"])
 def test_activation_writes_train_as_on_one_device(world2, force):
     world2.run(write_tasks.train, (2,), force)
