@@ -361,6 +361,14 @@ add(aten.ones_like.default, "plain", lambda g: call(g.f(4, 6, 2)))
 add(aten.full_like.default, "value", lambda g: call(g.f(4, 6), 2.5))
 add(aten.narrow.default, "dim1", lambda g: call(g.f(4, 6, 5), 1, 2, 3))
 add(aten.narrow.default, "rows", lambda g: call(g.f(6, 4), 0, 0, 2))
+add(aten.index_put.default, "columns_scalar",
+    lambda g: call(g.f(4, 6, 5), [None, g.i(0, 6, 2)], g.scalar()))
+add(aten.index_put.default, "rows_values",
+    lambda g: call(g.f(6, 4), [g.i(0, 6, 3)], g.f(3, 4)))
+add(aten.index_put.default, "middle_values",
+    lambda g: call(g.f(4, 6, 5), [None, g.i(0, 6, 2)], g.f(4, 2, 5)))
+add(aten.index_put.default, "accumulate",
+    lambda g: call(g.f(4, 6), [None, g.i(0, 6, 3)], g.f(3), True))
 add(aten.fill.Scalar, "value", lambda g: call(g.f(4, 6), -1.5))
 add(aten.fill.Tensor, "zero_dim", lambda g: call(g.f(4, 6), g.scalar()))
 add(aten.split.Tensor, "dim1", lambda g: call(g.f(4, 6, 5), 2, 1))
