@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.passes import torch_compat
 from autopar.passes.trace import meta_copy, trace
 from autopar.solver.specs import compute_dtype
 
@@ -186,7 +187,8 @@ def parallelize(model: nn.Module, mesh=None, *, loss_fn=None, example_inputs=Non
 
 def _mesh_of(plan: Plan | None):
     """The DeviceMesh a plan names (the planner may have chosen it: autopar.Cluster), on the
-    devices of the default process group's backend."""
+    devices of the default process group's backend, its groups under the default group's
+    timeout (torch gives a mesh's new groups its own default, 30 minutes)."""
     if plan is None:
         raise ValueError("parallelize needs a device mesh, or a plan= whose mesh it builds")
     from torch.distributed.device_mesh import init_device_mesh
@@ -195,7 +197,11 @@ def _mesh_of(plan: Plan | None):
     if plan.mesh.size != dist.get_world_size():
         raise ValueError(f"the plan is for {plan.mesh.size} devices {tuple(plan.mesh.shape)}; "
                          f"the world has {dist.get_world_size()} ranks")
-    return init_device_mesh(device, tuple(plan.mesh.shape), mesh_dim_names=plan.mesh.names)
+    mesh = init_device_mesh(device, tuple(plan.mesh.shape), mesh_dim_names=plan.mesh.names)
+    for k in range(mesh.ndim):
+        if mesh.get_group(k) is not dist.group.WORLD:
+            torch_compat.set_timeout(mesh.get_group(k), torch_compat.default_timeout())
+    return mesh
 
 
 def _no_pipeline_options(options: PlanOptions) -> None:

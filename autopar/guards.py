@@ -14,6 +14,7 @@ fingerprints the call is refused, saying which values changed and what to do ins
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn as nn
@@ -29,6 +30,7 @@ from autopar.passes.trace_values import (
     loss_values,
     plain_value,
     public_values,
+    reads_object,
     watched,
 )
 
@@ -82,6 +84,7 @@ class ValueGuards:
         the tensors as constants; a configuration's fields set through `tree` are the traced
         copy's)."""
         self.loss_fn = loss_fn
+        self.tree = weakref.ref(tree)
         self.classes = forward_classes(model)  # whose forward's globals are watched
         self.root_names: list[str] = []
         self.tensors: list[tuple[nn.Module, str, torch.Tensor]] = []  # mirrored tensors
@@ -125,7 +128,11 @@ class ValueGuards:
         return value
 
     def check(self, fingerprint: Fingerprint) -> str | None:
-        """An error message when this fingerprint would be one too many to trace for."""
+        """An error message when this fingerprint would be one too many to trace for, or
+        when the loss function reads the parallelized model (checked before each trace)."""
+        reads_tree = self._loss_reads_tree()
+        if reads_tree:
+            return reads_tree
         if fingerprint in self.seen or len(self.seen) < MAX_VALUE_SETS:
             return None
         lines = changed(self.seen[0], fingerprint)
@@ -136,6 +143,24 @@ class ValueGuards:
                 "the model (register_buffer, changed through the parallelized model) or a "
                 "tensor the loss function captures (coef.fill_(value)); both are read at "
                 "every step")
+
+    def _loss_reads_tree(self) -> str | None:
+        """An error message when the loss function reads the parallelized model, one of its
+        modules or parameters: they hold this rank's shards, which the traced loss cannot
+        differentiate (and no parameters before the first build)."""
+        tree = self.tree()
+        if self.loss_fn is None or tree is None:
+            return None
+        modules = list(tree.modules())
+        held = {id(v) for m in modules for v in [m, *m._parameters.values()]}
+        where = reads_object(self.loss_fn, lambda v: id(v) in held)
+        if where is None:
+            return None
+        return (f"the loss function reads the parallelized model ({where}): its modules "
+                "hold this rank's shards of the parameters (none before the first call), "
+                "which the traced loss cannot use. Read the model you passed to "
+                "parallelize instead (model.fc.weight, not pmodel.fc.weight: the loss is "
+                "traced with it), or compute the term in the model's forward")
 
     def remember(self, fingerprint: Fingerprint) -> None:
         """A program was built for these values."""

@@ -15,6 +15,7 @@ inspected.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -30,6 +31,14 @@ MODULE_INTERNALS = frozenset({
     "_load_state_dict_pre_hooks", "_modules", "_non_persistent_buffers_set", "_parameters",
     "_state_dict_hooks", "_state_dict_pre_hooks", "_initialize_hook", "_load_hook",
 })
+
+# Caches torch rebuilds from a module's parameters when forward finds them swapped (an RNN lists
+# its weights again at every forward under torch.func.functional_call and torch.export, which
+# replace the parameters while tracing): not state of the model. torch.export warns about the
+# tensors an RNN so assigns; the watch silences that warning.
+DERIVED = {nn.RNNBase: frozenset({"_flat_weights", "_flat_weight_refs"})}
+_DERIVED_WARNING = (r"The tensor attributes (\S+\._flat_weights\[\d+\], )*"
+                    r"\S+\._flat_weights\[\d+\] were assigned during export")
 
 _SCALARS = (int, float, complex, str, bytes, bool, type(None))
 _UNSET = object()
@@ -50,9 +59,13 @@ class SideEffectWatch:
             self.root.register_forward_pre_hook(self._pre, prepend=True),
             self.root.register_forward_hook(self._post),
         ]
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("ignore", _DERIVED_WARNING, UserWarning)
         return self
 
     def __exit__(self, *exc) -> None:
+        self._warnings.__exit__(*exc)
         for h in self._handles:
             h.remove()
 
@@ -78,8 +91,11 @@ def _snapshot(root: nn.Module) -> dict[tuple[str, str], tuple[Any, Any]]:
     """(module path, attribute) -> (value, shallow fingerprint of its contents)."""
     out = {}
     for path, m in root.named_modules(remove_duplicate=False):
+        derived = frozenset().union(*(names for kind, names in DERIVED.items()
+                                      if isinstance(m, kind)))
         for name, value in vars(m).items():
-            if name not in MODULE_INTERNALS and not isinstance(value, nn.Module):
+            if name not in MODULE_INTERNALS and name not in derived and \
+                    not isinstance(value, nn.Module):
                 out[(path, name)] = (value, _contents(value))
     return out
 

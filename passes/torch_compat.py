@@ -13,6 +13,9 @@ a tiny example, so a PyTorch release that changes one fails there, loudly, by na
   `reduce_scatter_single` (before: reduce_scatter_tensor); the old names remain, deprecated.
   With `all_to_all_single` and `all_reduce`, the collectives autopar calls.
 - `default_store()`: the default process group's key-value store (private in distributed_c10d).
+- `default_timeout()` and `set_timeout(group, timeout)`: the timeout init_process_group gave
+  the default group, which groups made later (`new_group`, a DeviceMesh's dimensions) do not
+  inherit (read from its backend's private options; set with c10d's `_set_pg_timeout`).
 - torch.export's grad-mode regions (higher-order ops `wrap_with_set_grad_enabled` and
   `wrap_with_autocast`, whose argument layouts are internal): `grad_mode_region(node)`, and
   `is_higher_order(target)` for any other higher-order op.
@@ -37,6 +40,7 @@ a tiny example, so a PyTorch release that changes one fails there, loudly, by na
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 import traceback
@@ -80,6 +84,24 @@ def default_store():
     """The key-value store the default process group was made with (torchrun's, or the
     init_method's): where ranks leave messages for each other when collectives cannot run."""
     return dist.distributed_c10d._get_default_store()
+
+
+def default_timeout() -> datetime.timedelta:
+    """The timeout the default process group was made with (init_process_group's `timeout=`,
+    else torch's default for its backend); its backend's options hold it."""
+    c10d = dist.distributed_c10d
+    group = c10d._get_default_group()
+    for device in group._device_types:
+        timeout = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return c10d.default_pg_timeout
+
+
+def set_timeout(group, timeout: datetime.timedelta) -> None:
+    """Make the collectives of `group` (a process group this rank is in) time out after
+    `timeout`."""
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 # -- torch.export's graphs -------------------------------------------------------------------------
@@ -158,8 +180,9 @@ def persistent_buffers(model: nn.Module) -> set[str]:
 
 __all__ = [
     "ASSERTION_OPS", "SUPPORTED", "TORCH_VERSION", "TreeSpec", "all_gather_single", "all_reduce",
-    "all_to_all_single", "default_store", "free_unbacked_symbols", "grad_mode_region",
-    "is_higher_order", "persistent_buffers", "reduce_scatter_single", "spec_child",
+    "all_to_all_single", "default_store", "default_timeout", "free_unbacked_symbols",
+    "grad_mode_region", "is_higher_order", "persistent_buffers", "reduce_scatter_single",
+    "set_timeout", "spec_child",
     "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten",
 ]
 

@@ -13,6 +13,7 @@ import functools
 import inspect
 import operator
 import os
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -875,7 +876,10 @@ def _explain_export_failure(e: Exception) -> str:
     kind = type(e).__name__
     text = str(e).strip().splitlines()[0] if str(e).strip() else kind
     hint = "autopar could not capture the model with torch.export (non-strict)."
-    if _is_data_dependent_size(kind, str(e)):
+    unknown = re.search(r"Found <class '([\w.]+)'> in output, which is not a known type", text)
+    if unknown:
+        hint = _unknown_output_hint(unknown.group(1))
+    elif _is_data_dependent_size(kind, str(e)):
         hint = ("data-dependent shape: the model uses tensor values as sizes (e.g. .tolist() or "
                 ".item() split sizes, loop counts or slice bounds, torch.nonzero, boolean-mask "
                 "indexing). " + _STATIC_SHAPES_HINT)
@@ -886,6 +890,19 @@ def _explain_export_failure(e: Exception) -> str:
                 "static graph cannot express. Replace the Python `if`/loop on a tensor value with "
                 "tensor ops (torch.where, masking) or move it out of forward.")
     return f"{hint}\n  at {where}\n  torch.export said: {kind}: {text}"
+
+
+def _unknown_output_hint(cls: str) -> str:
+    """What to do when the model returns an object of class `cls` that holds tensors but is no
+    pytree (torch.export cannot take it apart into the graph's outputs)."""
+    if cls.startswith("transformers.") and cls.endswith("Cache"):
+        return (f"the model returns a key/value cache ({cls}), as a Hugging Face model does "
+                "when its config has use_cache=True (the default): set "
+                "`model.config.use_cache = False` before parallelize (training needs no "
+                "cache, and autopar's programs cannot return one).")
+    return (f"the model returns a {cls} object, which torch.export cannot take apart into "
+            "tensors: return tensors (or tuples, lists and dicts of them), or "
+            "register the class with torch.utils._pytree.register_pytree_node.")
 
 
 def _is_data_dependent_size(kind: str, text: str) -> bool:

@@ -14,7 +14,8 @@ again when one changed:
 - the loss function: `loss_values` reads the closure variables, default arguments, the globals
   its code names, the plain attributes its code names on objects it reaches that way, and the
   plain attributes of a loss module (`nn.CrossEntropyLoss(label_smoothing=...)`), following
-  the user's own functions it calls a few levels deep;
+  the user's own functions it calls a few levels deep (`reads_object` finds an object it
+  reads the same way);
 - forward's globals: `forward_values` reads the same of the forward of each of the model's
   module classes (`forward_classes`): a global or closure value forward reads.
 
@@ -130,6 +131,49 @@ def loss_values(loss_fn) -> Fingerprint:
     out: list[tuple[str, Any]] = []
     _follow(loss_fn, "loss_fn", out, set(), FOLLOW_DEPTH)
     return tuple(out)
+
+
+def reads_object(fn, wanted, label: str = "loss_fn", depth: int = FOLLOW_DEPTH,
+                 seen: set[int] | None = None) -> str | None:
+    """The label of an object `fn` reads for which `wanted(obj)` holds (its closure variables,
+    defaults, the globals its code names, a partial's arguments, a bound method's object, a
+    callable object's attributes), following the user's own functions `depth` levels as
+    `loss_values` does; None when it reads none."""
+    seen = set() if seen is None else seen
+    if depth <= 0 or id(fn) in seen:
+        return None
+    seen.add(id(fn))
+    reads: list[tuple[str, Any]] = []
+    if isinstance(fn, functools.partial):
+        reads += [(f"{label}.args[{i}]", a) for i, a in enumerate(fn.args)]
+        reads += [(f"{label}.{k}", a) for k, a in (fn.keywords or {}).items()]
+        reads.append((label, fn.func))
+    elif isinstance(fn, types.MethodType):
+        reads += [(f"{label}.__self__", fn.__self__), (label, fn.__func__)]
+    elif isinstance(fn, types.FunctionType) and _is_users(fn):
+        code, names = fn.__code__, _code_names(fn.__code__)
+        for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            with contextlib.suppress(ValueError):  # an empty cell
+                reads.append((f"{label}.<closure {name}>", cell.cell_contents))
+        reads += [(f"{label}.<default {i}>", d) for i, d in enumerate(fn.__defaults__ or ())]
+        reads += [(f"{label}.{name}", fn.__globals__[name])
+                  for name in sorted(names & set(fn.__globals__))]
+    elif not isinstance(fn, (types.FunctionType, nn.Module)):
+        call = vars(type(fn)).get("__call__")
+        if isinstance(call, types.FunctionType) and _is_users(call):  # a callable object
+            attrs = getattr(fn, "__dict__", {})
+            reads += [(f"{label}.{n}", attrs[n]) for n in sorted(_code_names(call.__code__)
+                                                                  & set(attrs))]
+            reads.append((label, call))
+    for where, value in reads:
+        if wanted(value):
+            return where
+        if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)) or \
+                callable(value) and not isinstance(value, (type, nn.Module)):
+            found = reads_object(value, wanted, where, depth - 1, seen)
+            if found:
+                return found
+    return None
 
 
 def forward_classes(model: nn.Module) -> list[type]:

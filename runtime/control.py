@@ -7,7 +7,12 @@ whether their signatures match. When something failed anywhere, every rank raise
 `RankError`, carrying each failing rank's message, instead of some ranks waiting forever in the
 model's first collective for a rank that has given up.
 
-It runs on gloo whatever the model's backend, so agreeing never synchronizes a GPU stream.
+It runs on gloo whatever the model's backend, so agreeing never synchronizes a GPU stream, and
+under the default process group's timeout (init_process_group's `timeout=`; a new group would
+take torch's default, 30 minutes). Each rank notes in the process group's key-value store how
+many agreements it has reached (one small write), so that when a rank waits in an agreement
+past the timeout, it can name the ranks that never reached it: they are elsewhere (another
+call, a collective of their own, or none), and the error says so on the ranks that waited.
 
 When collective work itself fails (`guard`: a step, a forward call), ranks cannot agree by
 collectives any more: each rank leaves a message in the process group's key-value store. A rank
@@ -75,15 +80,20 @@ def content_hash(t: torch.Tensor) -> int:
     return signature(int(total.item()), tuple(t.shape), str(t.dtype))
 
 
-_GROUP: list = []  # (the world group it was made in, the gloo group for agreements)
+_GROUP: list = []  # (the world group it was made in, the gloo group, its agreement counter)
+_REACHED = "autopar/agreements/"  # + rank: how many agreements that rank has reached
 
 
 def control_group():
     """The gloo group agreements run on: one per process and world (every parallelized model
-    shares it; a new group would start threads of its own on every rank, for every model)."""
+    shares it; a new group would start threads of its own on every rank, for every model),
+    with the default group's timeout."""
     world = dist.group.WORLD
     if not _GROUP or _GROUP[0] is not world:
-        _GROUP[:] = [world, dist.new_group(backend="gloo")]
+        # a store kept from an earlier world (torchrun's, across restarts) holds its counts
+        torch_compat.default_store().set(_REACHED + str(dist.get_rank()), "0")
+        group = dist.new_group(backend="gloo", timeout=torch_compat.default_timeout())
+        _GROUP[:] = [world, group, itertools.count(1)]
     return _GROUP[1]
 
 
@@ -93,6 +103,7 @@ class Control:
 
     def __init__(self):
         self.group = control_group()
+        self._agreements = _GROUP[2]  # shared: agreements are counted alike on every rank
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self._prefix = f"autopar/failure/{next(_instances)}/"
@@ -146,7 +157,7 @@ class Control:
         rank raises RankError with the failing ranks' messages instead."""
         mine = torch.tensor([1 if error else 0, *values], dtype=torch.int64)
         rows = [torch.zeros_like(mine) for _ in range(self.size)]
-        dist.all_gather(rows, mine, group=self.group)
+        self._agree(what, lambda: dist.all_gather(rows, mine, group=self.group))
         failed = [r for r in range(self.size) if rows[r][0].item()]
         if failed:
             messages = self.gather_objects(error)
@@ -173,11 +184,53 @@ class Control:
     def gather_objects(self, obj) -> list:
         """Every rank's `obj`, on every rank."""
         out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._agree("gathering a value from every rank",
+                    lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
     def broadcast_object(self, obj, src: int = 0):
         """Rank `src`'s `obj`, on every rank."""
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        self._agree(f"receiving a value from rank {src}",
+                    lambda: dist.broadcast_object_list(box, src=src, group=self.group))
         return box[0]
+
+    def _agree(self, what: str, collective) -> None:
+        """Run one collective of the control group, noting first that this rank reached it;
+        if it times out (or a peer's connection closed), raise a RankError naming the ranks
+        that never reached it."""
+        count = next(self._agreements)
+        store = torch_compat.default_store()
+        store.set(_REACHED + str(self.rank), str(count))
+        try:
+            collective()
+        except RuntimeError as e:
+            if not any(s in str(e) for s in _COLLECTIVE_FAILURES):
+                raise
+            raise self._not_reached(what, count, store, e) from e
+
+    def _not_reached(self, what: str, count: int, store, error: RuntimeError) -> RankError:
+        try:
+            absent = [r for r in range(self.size) if not store.check([_REACHED + str(r)]) or
+                      int(store.get(_REACHED + str(r))) < count]
+        except RuntimeError:  # the store is gone too (its host died)
+            absent = []
+        timeout = torch_compat.default_timeout()
+        first = (str(error).strip().splitlines() or [""])[0][:400]
+        if absent and "imed out" not in first:
+            cause = (f"rank(s) {absent} did not reach it, and the connection to them failed "
+                     f"({first}): they died or left the process group")
+        elif absent:
+            cause = (f"rank(s) {absent} did not reach it within the process group's timeout "
+                     f"({timeout.total_seconds():g} s): they are elsewhere (in another call, "
+                     "a collective of their own, or no call). Every rank must make each call of "
+                     "a parallelized model (step, forward, build, state_dict, checkpoints...), "
+                     "in the same order")
+        else:
+            cause = f"every rank reached it, but it failed: {first}"
+        # a peer inside the model's collectives (guard) reads this as this rank's report
+        with contextlib.suppress(RuntimeError):
+            store.set(self._prefix + str(self.rank), f"raised RankError: waited for {absent} "
+                      f"in an agreement ({what})")
+        return RankError(f"rank {self.rank} waited in an agreement of all ranks ({what}); "
+                         f"{cause}. The process group cannot be used afterwards.")
