@@ -149,6 +149,10 @@ def parallelize(model: nn.Module, mesh=None, *, loss_fn=None, example_inputs=Non
     for a model that returns its own loss), `__call__` (inference; returns what the model
     returns), `parameters()` / `named_parameters()` (this rank's shards as DTensors, by the
     model's names, for any optimizer), `train()` / `eval()`, `state_dict()` and `.plan`.
+    `model` itself becomes that module, in place, as FSDP2's `fully_shard` makes it:
+    `model(x)`, `model.step`, `model.state_dict()` and, once built, `model.parameters()` are
+    the parallelized model's (the model's parameters and buffers are its tensors; its full
+    tensors are freed).
 
     Without `mesh`, the mesh `plan` names is built (a plan for an autopar.Cluster chose it).
     Without `example_inputs` the plan is made at the first call. The plan is solved on rank 0

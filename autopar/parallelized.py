@@ -1,7 +1,8 @@
 """Parallelized: the module `autopar.parallelize` returns, and the driver that builds it.
 
-It holds the user's model until the first call, and from then on only a meta copy of it (for
-tracing) and this rank's shards. At a call it:
+It holds the user's model until the first build, and from then on only a meta copy of it (for
+tracing) and this rank's shards, which the user's model holds too (autopar/originals.py: the
+model passed to parallelize becomes the parallelized model). At a call it:
 
 1. splits the call into model inputs, keyword inputs and target (autopar.inputs), checks them on
    this rank (device, the shape the plan was made for) and makes every rank agree, in one small
@@ -78,8 +79,7 @@ from .inputs import (
 from .materialize import aliases, broadcast_from_rank0, local_values
 from .mesh import MeshSpec
 from .options import PlanOptions
-from .originals import Original
-from .originals import watch as watch_originals
+from .originals import Original, become, fresh
 from .plan import Plan
 from .planner import choice_from_plan, input_placement, solve_accumulated, solve_pipeline_plan
 
@@ -144,19 +144,20 @@ class Parallelized(nn.Module):
     infers, returning what the model returns, whole. `parameters()` / `named_parameters()` are
     this rank's shards as DTensors under the model's names; `.plan` is the plan that ran last.
     `train()` / `eval()` switch between programs traced in each mode (a pipelined model's on
-    the stages of its build). An optimizer step over the parameters of `model` itself is
-    refused (autopar/originals.py): they never get a gradient.
+    the stages of its build). The model passed to parallelize becomes this model, in place
+    (autopar/originals.py): `model(x)`, `model.step`, its state dict and, once built, its
+    parameters are this model's.
     """
 
     def __init__(self, model: nn.Module, mesh, spec: MeshSpec, options: PlanOptions, loss_fn,
                  plan: Plan | None, init_fn=None):
         super().__init__()
+        fresh(model)
         hooks = untraced_hooks(model)
         if hooks:
             raise ValueError(hooks)
         self._init_fn = init_fn
         self._compute_dtype = compute_dtype(options.precision)
-        watch_originals(model, self)
         self._original = Original(model)  # changes made on it after parallelize follow
         self._source = _Hidden(model)          # the user's model, until the first build
         self._meta = _Hidden(meta_copy(model))  # tracing runs on this copy
@@ -190,6 +191,7 @@ class Parallelized(nn.Module):
         self._coords = tuple(mesh.get_coordinate())
         self._comm = MeshComm([mesh.get_group(k) for k in range(mesh.ndim)])
         self._same_slice = self._slice_groups(mesh)
+        become(model, self)  # the model is this model from now on (autopar/originals.py)
 
     # -- the user's calls ----------------------------------------------------------------------
     def build(self, example_inputs: tuple, example_kwargs: dict | None = None) -> None:
@@ -455,7 +457,8 @@ class Parallelized(nn.Module):
             return trace(model, traced_call.args, self._loss_fn if use_loss_fn else None,
                          traced_call.target, kwargs=dict(traced_call.kwargs),
                          output_loss=with_loss if self._loss_fn is None else False,
-                         device=self._device, compute_dtype=self._compute_dtype)
+                         device=self._device, compute_dtype=self._compute_dtype,
+                         source=self._original.model())
 
     def _module_modes(self) -> dict[str, bool]:
         """The train / eval flag of every module, by its name in the model ("" the model)."""
@@ -576,7 +579,7 @@ class Parallelized(nn.Module):
             owner.register_buffer(last, local[name], persistent=name in persistent)
             self._buffers_whole[name] = local[name]
         self._source = _Hidden(None)
-        self._original.built()
+        self._original.built(self)  # the model's tensors are these from now on
 
     def _broadcast_group(self):
         """The group rank 0's tensors are broadcast over: the gloo control group on CPUs (the
@@ -724,7 +727,7 @@ class Parallelized(nn.Module):
             self._set_modes(model)
             self._guards.sync(self, model)
             tracer = pipeline_tracer(model, pipeline.example, self._loss_fn, self._device,
-                                     self._compute_dtype)
+                                     self._compute_dtype, self._original.model())
             return (None if _ops_of(tracer(m)) == pipeline.ops else tracer), None
         except Exception as e:  # noqa: BLE001 - reported on every rank as the reason
             return None, (
@@ -752,7 +755,7 @@ class Parallelized(nn.Module):
             target = _target_like(call, pipeline.example)
             example = (*[torch.empty_like(t, device="meta") for t in call.args], target)
             tracer = pipeline_tracer(self._meta.obj, example, self._loss_fn, self._device,
-                                     self._compute_dtype)
+                                     self._compute_dtype, self._original.model())
         p = self._spec.shape[running.mesh_dim]
         splits = [d for d in range(min(running.microbatches, batch), 0, -1) if batch % d == 0]
         runs = [d for d in splits if not schedule_problem(running.schedule, p, d,
@@ -795,7 +798,7 @@ class Parallelized(nn.Module):
         """`_build_pipeline`, its model's values synced and its reads watched."""
         spec, mesh = self._spec, self._mesh_holder.obj
         tracer = pipeline_tracer(self._meta.obj, example_inputs, self._loss_fn, self._device,
-                                 self._compute_dtype)
+                                 self._compute_dtype, self._original.model())
         if self._given_plan is None:
             chosen = self._agreed("planning", lambda: solve_pipeline_plan(
                 tracer, batch_size(example_inputs), spec, self._options), on_rank0=True)
@@ -1173,9 +1176,9 @@ def written_buffers(program: TracedProgram, stages: list, p: int) -> dict[str, i
     return out
 
 
-def pipeline_tracer(model, example_inputs, loss_fn, device=None, dtype=None):
-    """trace_at(m): the model (a meta copy) traced on the first 1/m of the batch (cached),
-    to run on `device`."""
+def pipeline_tracer(model, example_inputs, loss_fn, device=None, dtype=None, source=None):
+    """trace_at(m): the model (a meta copy of `source`, which `loss_fn` may read) traced on
+    the first 1/m of the batch (cached), to run on `device`."""
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
         else (example_inputs,)
     cache: dict[int, TracedProgram] = {}
@@ -1189,7 +1192,7 @@ def pipeline_tracer(model, example_inputs, loss_fn, device=None, dtype=None):
             part = tuple(torch.empty_like(t[:batch // m], device="meta")
                          for t in example_inputs)
             cache[m] = trace(model, part[:-1], loss_fn, part[-1], device=device,
-                             compute_dtype=dtype)
+                             compute_dtype=dtype, source=source)
         return cache[m]
 
     return trace_at

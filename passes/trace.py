@@ -8,6 +8,7 @@ of them).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -15,6 +16,7 @@ import operator
 import os
 import re
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,13 +115,14 @@ class _Step(nn.Module):
     FSDP2's MixedPrecisionPolicy casts forward inputs."""
 
     def __init__(self, model: nn.Module, loss_fn=None, output_loss=False,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, source: nn.Module | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.output_loss = output_loss
         self.compute_dtype = compute_dtype
         self.result = _Found()
+        self.source = None if source is None else weakref.ref(source)
 
     def forward(self, *args, **kwargs):
         if self.loss_fn is not None:
@@ -130,10 +133,53 @@ class _Step(nn.Module):
         if self.compute_dtype is not None:
             out = tree_map(lambda t: _cast(t, torch.float32), out)
         if self.loss_fn is not None:
-            return out, self.loss_fn(out, target)
+            with lent(None if self.source is None else self.source(), self.model):
+                return out, self.loss_fn(out, target)
         loss = output_loss(out, self.output_loss is True) if self.output_loss else None
         self.result.found = loss is not None
         return (out, loss) if loss is not None else out
+
+
+@contextlib.contextmanager
+def lent(source: nn.Module | None, traced: nn.Module):
+    """While the block runs (the loss function), `source`'s modules hold the tensors of their
+    counterparts in `traced` (its copy being traced; the dictionaries themselves, into which
+    export puts its tracing tensors): a loss function reading the model's tensors
+    (`model.c.weight` in an L2 term, class weights in `model.cw`) reads the traced ones, so
+    that they are inputs of the program (a parameter's term differentiated) instead of
+    constants. A module `traced` lacks (a layer of a stack traced as two copies) lends
+    nothing: reading its tensor raises _ReadsFoldedLayer."""
+    if source is None:
+        yield
+        return
+    counterparts = dict(traced.named_modules())
+    saved = []
+    for path, m in source.named_modules():
+        twin = counterparts.get(path)
+        saved.append((m, m.__dict__["_parameters"], m.__dict__["_buffers"]))
+        for kind in ("_parameters", "_buffers"):
+            m.__dict__[kind] = getattr(twin, kind) if twin is not None else \
+                _Unlent(path, m.__dict__[kind])
+    try:
+        yield
+    finally:
+        for m, params, buffers in saved:
+            m.__dict__["_parameters"], m.__dict__["_buffers"] = params, buffers
+
+
+class _ReadsFoldedLayer(TraceError):
+    """The loss function read a tensor of a layer the trace copies (`lent`)."""
+
+
+class _Unlent(dict):
+    """The tensors of a module the traced copy lacks: reading one raises."""
+
+    def __init__(self, path: str, tensors: dict):
+        super().__init__(tensors)
+        self.path = path
+
+    def __getitem__(self, name):
+        raise _ReadsFoldedLayer(f"the loss function reads {self.path}.{name}")
 
 
 def _cast(t, dtype: torch.dtype):
@@ -168,7 +214,7 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
           device: torch.device | None = None,
           compute_dtype: torch.dtype | None = None, fold: bool = True,
           beside: bool = False, deferred: list[Forked] | None = None,
-          copies: bool = False) -> TracedProgram:
+          copies: bool = False, source: nn.Module | None = None) -> TracedProgram:
     """Trace `model(*example_inputs, **kwargs)` and its loss: `loss_fn(output, example_target)`
     when `loss_fn` is given, the loss the model returns when `output_loss` (True: it must
     return one; "auto": when it does).
@@ -194,7 +240,9 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
     With `copies` the caller knows the stack's layers to be copies (checked on this model at
     another batch, or being checked with the caller waiting for that check): not checked.
     Only the stack's first two layers are copied to fake tensors (the export's; the model's
-    parameter names come from `model`).
+    parameter names come from `model`). With `source` (the model `model` copies, which
+    `loss_fn` may read) the loss function reads the traced tensors where it reads `source`'s
+    (`lent`); a read of a layer traced as a copy exports every layer.
 
     Raises TraceError naming the model's source line for data-dependent control flow and
     data-dependent shapes, for inputs that are not tensors, for a loss that is not one scalar
@@ -220,7 +268,7 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
     def trace_whole() -> TracedProgram:  # every layer exported (the fake copy has two)
         return trace(user_model, user_inputs, loss_fn, user_target, kwargs=user_kwargs,
                      output_loss=output_loss, device=device, compute_dtype=compute_dtype,
-                     fold=False)
+                     fold=False, source=source)
 
     mode = fake_mode()
     inner = layer_fold.repeated_layers(model) if fold else None
@@ -240,7 +288,8 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
     if loss_fn is not None and example_target is None:
         raise TraceError("loss_fn was given but no example target to trace it with")
     if loss_fn is not None or output_loss or compute_dtype is not None:
-        root = _Step(model, loss_fn, output_loss if loss_fn is None else False, compute_dtype)
+        root = _Step(model, loss_fn, output_loss if loss_fn is None else False, compute_dtype,
+                     source)
         if loss_fn is not None:
             args = (*example_inputs, example_target)
     watched = "" if root is not model else "model"
@@ -249,7 +298,7 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
     check = None
     if stack is not None and not copies:
         whole = user_model if root is model else \
-            _Step(user_model, root.loss_fn, root.output_loss, compute_dtype)
+            _Step(user_model, root.loss_fn, root.output_loss, compute_dtype, source)
         verdict = functools.partial(_fold_verdict, whole, stack, args, kwargs, device,
                                     watched, compute_dtype)
         if beside and len(stack.children) >= BESIDE_LAYERS and device.type == "cpu" and \
@@ -261,6 +310,8 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
         try:
             program = _program(_export(root, args, kwargs, watched, stack), root,
                                user_model, loss_fn, stack, compute_dtype)
+        except _ReadsFoldedLayer:
+            program = None  # the loss reads a layer the two-layer copy lacks
         except TraceError:
             if check is None or check.result():
                 raise

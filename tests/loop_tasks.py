@@ -326,32 +326,34 @@ def backward_through_inference(mesh_shape, force=None) -> list[str]:
 
 
 def optimizer_over_the_model(mesh_shape, force=None) -> list[str]:
-    """An optimizer over the parameters of the model passed to parallelize (built before it,
-    as DistributedDataParallel allows, or after it) would step tensors that never get a
-    gradient: its step raises, naming what to build it over. One over pmodel.parameters()
-    steps; once the parallelized model is gone (freed with its shards and programs) the
-    model is a plain model again. Returns the errors."""
+    """An optimizer over the parameters of the model passed to parallelize built before it
+    (as DistributedDataParallel allows) holds tensors the build replaced by the parallelized
+    model's, which never get a gradient: its step raises, naming what to build it over. One
+    built after the build over model.parameters() (the parallelized model's shards) steps;
+    once the model and the parallelized model are dropped, both are freed with their shards
+    and programs. Returns the errors."""
     model, loss_fn, (x, y) = build("mlp")
     early = torch.optim.SGD(model.parameters(), lr=0.1)
     pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn, force=force)
     pm.step(x, y)
     late = torch.optim.AdamW(list(model.parameters())[2:], lr=0.1)
     errors = []
-    for opt in (early, late):
-        before = [p.detach().clone() for p in model.parameters()]
-        try:
-            opt.step()
-        except RuntimeError as e:
-            errors.append(str(e))
-        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    before = [p.detach().clone() for p in early.param_groups[0]["params"]]
+    try:
+        early.step()
+    except RuntimeError as e:
+        errors.append(str(e))
+    assert all(torch.equal(a, p) for a, p in zip(before, early.param_groups[0]["params"]))
+    before = [p.detach().full_tensor() for p in late.param_groups[0]["params"]]
+    late.step()
+    assert not any(torch.equal(a, p.detach().full_tensor())
+                   for a, p in zip(before, late.param_groups[0]["params"]))
     torch.optim.AdamW(pm.parameters(), lr=0.1).step()
     gone = weakref.ref(pm)
-    del pm
+    del pm, model, late
     gc.collect()
     # (a leak kept it: the pricing caches held resharding errors with the frames they unwound)
     assert gone() is None, "the parallelized model outlived its last reference"
-    loss_fn(model(x), y).backward()
-    early.step()  # a plain model's optimizer again
     return errors
 
 
@@ -359,9 +361,10 @@ def original_model_changes(mesh_shape, force=None) -> str:
     """Changes made on the model passed to parallelize after it, as one makes them on the
     model DistributedDataParallel wraps: model.eval() for a validation pass and model.train()
     after it, a plain attribute set on it, act on the parallelized model (were ignored: the
-    validation ran with dropout); a hook registered on it, and its weights loaded anew in
-    place, are errors naming the module, or pmodel.load_state_dict (were ignored). Returns
-    the last error."""
+    validation ran with dropout); weights loaded into it with load_state_dict are the
+    parallelized model's; a hook registered on it, and a parameter assigned anew on it, are
+    errors naming the module, or the parameter and model.load_state_dict (were ignored).
+    Returns the last error."""
     torch.manual_seed(0)
     model = _Scaled().double()
     ref = copy.deepcopy(model)
@@ -394,12 +397,18 @@ def original_model_changes(mesh_shape, force=None) -> str:
         raise AssertionError("a hook registered on the model passed to parallelize was ignored")
     handle.remove()
     same_step(3)
+    with torch.no_grad():  # weights loaded into the model are the parallelized model's
+        for p in ref.parameters():
+            p.mul_(0.5)
     model.load_state_dict(ref.state_dict())
+    same_step(4)
+    model.inp.weight = torch.nn.Parameter(ref.inp.weight.detach().clone())
     try:
         pm.step(x, y)
     except Exception as e:  # noqa: BLE001 - raised on every rank, before any collective
         return str(e)
-    raise AssertionError("weights loaded into the model passed to parallelize were ignored")
+    raise AssertionError("a parameter assigned anew on the model passed to parallelize was "
+                         "ignored")
 
 
 def train_and_eval_modes(mesh_shape, force=None) -> None:
