@@ -1,0 +1,311 @@
+"""What torch.export would lose of a model's forward: each construct captured, or refused.
+
+Non-strict torch.export runs forward's Python once and records the ATen ops it reaches; autopar
+then runs that graph, and lets autograd differentiate it. Whatever forward does outside those
+ops, or does to autograd itself, is lost without a word, and the model would train differently
+than on one device. `SoundnessGate` watches the export of the model (passes/trace.py `_export`,
+beside the watch on the model's attributes, passes/side_effects.py) and refuses each such
+construct by calling `refuse(why)` (which raises TraceError), naming the construct, where the
+model runs it (its module and source line) and what to do instead. The verdicts:
+
+- a custom `torch.autograd.Function` (a straight-through estimator, gradient reversal):
+  REFUSED. The trace inlines its `forward` and autograd differentiates that; its `backward` is
+  never run. Register the op with `torch.library.custom_op` and `register_autograd` (with
+  `register_fake`): the graph keeps the op and its backward, and autopar runs both exactly.
+  torch's own Functions (`__module__` under `torch.`: custom_op's, checkpoint's) are allowed.
+- a gradient hook registered on a tensor in forward (`Tensor.register_hook`,
+  `register_post_accumulate_grad_hook`): REFUSED; the graph keeps no hooks. Transform the
+  gradients after `step()` returns.
+- a backward pass in forward (`torch.autograd.grad`, however imported, or `.backward()`: a
+  gradient penalty): REFUSED; the trace runs it on fake tensors once and keeps no gradient
+  program. Not supported inside forward.
+- Python randomness (`random`'s global generator, numpy's global legacy generator, and a
+  `random.Random`, `numpy.random.RandomState` or `numpy.random.Generator` held as an attribute
+  of a module or named as a global by a module's forward): REFUSED when forward draws from it
+  (its state changed across the export), naming the innermost module whose forward drew. The
+  draw is frozen in the graph: every step would reuse the first one. Draw with torch ops
+  (`torch.rand(())`, `torch.distributions.Beta(...).sample()`) so that the draw is part of the
+  program, or draw in the training loop and pass the value in as a tensor input.
+- reseeding torch's generator in forward (`torch.manual_seed`): REFUSED; the graph would never
+  reseed. Seed in the training loop.
+- a `torch.Generator` of the model's own (`torch.rand(..., generator=g)`, g held by a module
+  or a global): REFUSED (torch.export lifts it as an object autopar cannot run, and could not
+  keep its draws in step with one device's). Draw from torch's default generator (autopar
+  draws each rank's block of what one device draws).
+- a global value written in forward (a module-level counter, a list appended to, a plain
+  value the forward of a module class or a function it calls reads and rebinds): REFUSED,
+  naming the global; the graph never repeats the write. Keep such state out of forward.
+  (Attributes of the model's modules: passes/side_effects.py.)
+
+Captured already, elsewhere (listed so that this docstring is the whole list):
+
+- `torch.no_grad()` / `torch.enable_grad()` regions: CAPTURED (export wraps them in
+  `wrap_with_set_grad_enabled`; passes/trace.py inlines them, detaching what crosses a no-grad
+  region); an enabled `torch.autocast` region: REFUSED there.
+- `.item()` / `.tolist()` driving a Python branch or a size: REFUSED by export as
+  data-dependent control flow or shape (passes/trace.py names the line).
+- `torch.utils.checkpoint`: non-reentrant CAPTURED, reentrant REFUSED (torch_compat
+  `watch_checkpoints`).
+- `torch.library.custom_op` with `register_autograd`: CAPTURED (an op of the graph whose
+  backward is the registered one).
+- dropout and torch's random ops: CAPTURED (ops of the graph; the runtime draws what one
+  device draws).
+
+The gate costs a few dictionary look-ups per module call while tracing, and reading the
+states of the Python generators a model can reach before and after each module's forward.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import random
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.export.graph_signature import InputKind
+
+from .torch_compat import TORCH_DIR, watch_backward_runs
+from .trace_values import changed, forward_classes, forward_values
+
+_HERE = {os.path.abspath(__file__).removesuffix("c"),
+         os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_compat.py")}
+
+
+class SoundnessGate:
+    """Within: the export of `root` refuses (calls `refuse(why)`, which raises) what it would
+    lose of forward (see the module docstring). `prefix` is prepended to module paths in
+    messages (as SideEffectWatch's); `check(ep)` refuses what shows only in the export's
+    result (a torch.Generator lifted as an input)."""
+
+    def __init__(self, root: nn.Module, prefix: str, refuse: Callable[[str], Any]):
+        self.root, self.prefix, self.refuse = root, prefix, refuse
+        self.paths = {id(m): path for path, m in root.named_modules(remove_duplicate=False)}
+        self.stack: list[str] = []  # module paths of the forwards running, innermost last
+        self.states: list[list] = []  # generator states at each running forward's start
+        self.generators = _python_generators(root)
+        self.classes = forward_classes(root)
+        self._undo: list[Callable[[], None]] = []
+
+    # -- entering and leaving ------------------------------------------------------------------
+
+    def __enter__(self) -> SoundnessGate:
+        hooks = torch.nn.modules.module
+        self._undo = [
+            hooks.register_module_forward_pre_hook(self._pre).remove,
+            hooks.register_module_forward_hook(self._post).remove,
+            _replace(torch.autograd.Function, "apply", classmethod(self._apply)),
+            _replace(torch.Tensor, "register_hook", self._hook("register_hook")),
+            _replace(torch.Tensor, "register_post_accumulate_grad_hook",
+                     self._hook("register_post_accumulate_grad_hook")),
+        ]
+        backward = watch_backward_runs(self._backward)
+        backward.__enter__()
+        self._undo.append(lambda: backward.__exit__(None, None, None))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+
+    # -- module forwards: where the model is, and what its forward drew -------------------------
+
+    def _pre(self, module: nn.Module, args) -> None:
+        path = self.paths.get(id(module))
+        if path is None:
+            return
+        if not self.stack:  # the root's forward begins
+            self.globals_before = forward_values(self.classes)
+            self.seed = torch.initial_seed()
+        self.stack.append(path)
+        self.states.append([_state(g) for _, g in self.generators])
+
+    def _post(self, module: nn.Module, args, output) -> None:
+        if self.paths.get(id(module)) is None or not self.stack:
+            return
+        before = self.states.pop()
+        for (label, g), old in zip(self.generators, before):
+            if _state(g) != old:
+                code = type(module).forward.__code__
+                self.refuse(
+                    f"forward draws a Python random number from {label} in "
+                    f"{self._where(line=False)} (its forward at {code.co_filename}:"
+                    f"{code.co_firstlineno}): the trace "
+                    "keeps the value drawn while tracing as a constant, so every step would "
+                    "reuse that one draw. Draw with torch ops on tensors (torch.rand, "
+                    "torch.bernoulli, torch.distributions...sample()) so that the draw is part "
+                    "of the program, or draw in the training loop and pass the value in as a "
+                    "tensor input")
+        self.stack.pop()
+        if self.stack:
+            return
+        if torch.initial_seed() != self.seed:  # the root's forward ends
+            self.refuse(
+                "forward reseeds torch's random generator (torch.manual_seed or "
+                "torch.seed): the traced program would never reseed it. Seed in the training "
+                "loop, before step()")
+        writes = changed(self.globals_before, forward_values(self.classes))
+        if writes:
+            self.refuse(
+                "forward changed global Python state during tracing:\n  " +
+                "\n  ".join(f"global {w}" for w in writes[:5]) +
+                "\nautopar runs the traced graph, which does not repeat Python side effects: "
+                "the change happened once, while tracing. Keep counters, logs and caches out "
+                "of forward (in the training loop), or compute the value with tensor ops and "
+                "return it from forward")
+
+    def _where(self, line: bool = True) -> str:
+        """The module running now ("module model.fc (Linear)"; "the loss function" for the
+        tracing wrapper's own code) and, with `line`, the model's source line running now."""
+        path = self.stack[-1] if self.stack else ""
+        full = ".".join(p for p in (self.prefix.rstrip("."), path) if p)
+        if not full:
+            what = "the loss function (or the tracing wrapper)"
+        else:
+            module = self.root.get_submodule(path) if path else self.root
+            what = f"module {full} ({type(module).__name__})"
+        at = user_line() if line else ""
+        return f"{what}{f' at {at}' if at else ''}"
+
+    # -- what forward does to autograd ----------------------------------------------------------
+
+    def _apply(self, cls, *args, **kwargs):
+        if self.stack and not (cls.__module__ or "").startswith("torch."):
+            self.refuse(
+                f"forward calls the custom autograd.Function {cls.__qualname__} in "
+                f"{self._where()}: the trace inlines its forward and lets autograd "
+                "differentiate it, so its backward would never run. Register the op with "
+                "torch.library.custom_op, with register_fake and register_autograd (its "
+                "backward), which autopar runs exactly")
+        return _ORIGINAL_APPLY(cls, *args, **kwargs)
+
+    def _hook(self, name: str):
+        original = getattr(torch.Tensor, name)
+
+        def hook(tensor, fn, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if self.stack and not caller.startswith(TORCH_DIR):
+                self.refuse(
+                    f"forward registers a gradient hook (Tensor.{name}) in {self._where()}: "
+                    "the traced program keeps no hooks, so it would never run. Transform the "
+                    "gradients after step() returns (p.grad is complete then)")
+            return original(tensor, fn, *args, **kwargs)
+
+        return hook
+
+    def _backward(self) -> None:
+        if self.stack:
+            self.refuse(
+                f"forward runs a backward pass (torch.autograd.grad or .backward()) in "
+                f"{self._where()}: the trace runs it once on fake tensors and keeps no "
+                "gradient program, so the result would be wrong. Gradients inside forward "
+                "(gradient penalties, inner optimization steps) are not supported; compute "
+                "the model's loss without them")
+
+    # -- what shows in the export ---------------------------------------------------------------
+
+    def check(self, ep) -> None:
+        """Refuse a torch.Generator the export lifted as an input of the program."""
+        for spec in ep.graph_signature.input_specs:
+            if spec.kind != InputKind.CUSTOM_OBJ:
+                continue
+            obj = ep.constants.get(spec.target)
+            if not isinstance(obj, torch.Generator):
+                continue
+            node = next((n for n in ep.graph.nodes if n.name == spec.arg.name), None)
+            users = list(node.users) if node is not None else []
+            line = next((_node_line(u) for u in users if _node_line(u)), "")
+            self.refuse(
+                "forward draws random numbers from a torch.Generator of its own "
+                f"(generator=...){f' at {line}' if line else ''}: autopar draws from torch's "
+                "default generator only (each rank its block of what one device draws). Drop "
+                "the generator= argument and seed torch's generator in the training loop")
+
+
+_ORIGINAL_APPLY = torch.autograd.Function.apply.__func__
+
+
+def _replace(owner, name: str, value) -> Callable[[], None]:
+    """Set `owner.name` to `value`; returns what puts the original back."""
+    original = owner.__dict__[name]
+    setattr(owner, name, value)
+    return lambda: setattr(owner, name, original)
+
+
+def user_line() -> str:
+    """The innermost frame of the Python stack outside torch and this gate, as
+    "file:line: code" (the model's line), or ""."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith(TORCH_DIR) and os.path.abspath(name) not in _HERE and \
+                not name.startswith("<"):
+            code = linecache.getline(name, f.f_lineno).strip()
+            return f"{name}:{f.f_lineno}: {code}"
+        f = f.f_back
+    return ""
+
+
+def _node_line(node) -> str:
+    from .trace import source_line
+    return source_line(node)
+
+
+# -- Python generators -----------------------------------------------------------------------------
+
+def _is_generator(value: Any) -> bool:
+    if isinstance(value, random.Random):
+        return True
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, (np.random.RandomState, np.random.Generator))
+
+
+def _python_generators(root: nn.Module) -> list[tuple[str, Any]]:
+    """(label, generator) for the Python generators `root`'s forward can draw from: the
+    global ones of `random` and numpy, those its modules hold as attributes, and those the
+    forward of its module classes names as globals."""
+    out: list[tuple[str, Any]] = [("Python's random module", random)]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        out.append(("numpy.random (its global generator)", np.random))
+    seen = {id(g) for _, g in out}
+    for path, m in root.named_modules():
+        found = [(f"{path or type(m).__name__}.{n}", v) for n, v in vars(m).items()
+                 if _is_generator(v)]
+        forward = getattr(type(m).forward, "__code__", None)
+        if forward is not None:
+            scope = type(m).forward.__globals__
+            found += [(f"the global {n}", scope[n]) for n in forward.co_names
+                      if n in scope and _is_generator(scope[n])]
+        for label, g in found:
+            if id(g) not in seen:
+                seen.add(id(g))
+                out.append((label, g))
+    return out
+
+
+def _state(g: Any) -> Any:
+    """A comparable copy of generator `g`'s state (`random` or numpy.random: the global
+    ones)."""
+    if g is random or isinstance(g, random.Random):
+        try:
+            return g.getstate()
+        except NotImplementedError:  # SystemRandom: no state, nothing to compare
+            return None
+    np = sys.modules["numpy"]
+    if isinstance(g, np.random.Generator):
+        return _frozen(g.bit_generator.state)
+    return _frozen(g.get_state(legacy=False))  # numpy.random or a RandomState
+
+
+def _frozen(value: Any) -> Any:
+    """`value` (a numpy generator's state: dicts, numbers, arrays) as comparable tuples."""
+    if isinstance(value, dict):
+        return tuple((k, _frozen(v)) for k, v in value.items())
+    if hasattr(value, "tobytes"):
+        return value.tobytes()
+    return value

@@ -1,0 +1,271 @@
+"""Models whose forward does what torch.export would lose (tests/test_soundness.py), and the
+tasks the gloo ranks run with them (module level, so that ranks import them)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.autograd import grad
+
+import autopar
+from tests.rank_tasks import check_training, mesh_for
+
+# -- a straight-through estimator, as torch.library.custom_op (what autopar runs exactly) ----
+
+
+@torch.library.custom_op("autopar_tests::quantize_ste", mutates_args=())
+def quantize_ste(x: torch.Tensor) -> torch.Tensor:
+    """Round to quarters; the gradient passes straight through."""
+    return torch.round(x * 4) / 4
+
+
+@quantize_ste.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+quantize_ste.register_autograd(lambda ctx, g: g)
+
+
+class CustomOpSTE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(quantize_ste(torch.tanh(self.fc1(x))))
+
+
+# -- the same estimator as a custom autograd.Function (refused) --------------------------------
+
+
+class STE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class FunctionSTE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(STE.apply(torch.tanh(self.fc1(x))))
+
+
+class _Reverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class GradientReversal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.head(_Reverse.apply(x))
+
+
+# -- Python randomness (refused) ---------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self, p: float = 0.5):
+        super().__init__()
+        self.fc, self.p = nn.Linear(16, 16), p
+
+    def forward(self, x):
+        if self.training and random.random() < self.p:  # LayerDrop
+            return x
+        return x + torch.relu(self.fc(x))
+
+
+class LayerDrop(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(layers))
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class Mixup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x):
+        lam = float(np.random.beta(0.4, 0.4))
+        return self.fc(lam * x + (1 - lam) * x.flip(0))
+
+
+class HeldGenerator(nn.Module):
+    """Draws from a generator it holds: `random.Random` or a numpy Generator."""
+
+    def __init__(self, numpy: bool):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+        self.rng = np.random.default_rng(0) if numpy else random.Random(0)
+
+    def forward(self, x):
+        return self.fc(x) * self.rng.random()
+
+
+class TorchGenerator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + 0.1 * torch.rand(h.shape, generator=self.gen)
+
+
+class Reseeds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x):
+        torch.manual_seed(1234)
+        return F.dropout(self.fc(x), 0.5)
+
+
+# -- autograd inside forward (refused) ---------------------------------------------------------
+
+
+class TensorHook(nn.Module):
+    def __init__(self, post_accumulate: bool = False):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.post_accumulate = post_accumulate
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.post_accumulate:
+            self.fc1.weight.register_post_accumulate_grad_hook(lambda p: None)
+        else:
+            h.register_hook(lambda g: g * 0.1)
+        return self.fc2(h)
+
+
+class GradientPenalty(nn.Module):
+    """A penalty on the gradient of the output's norm (through `grad` imported by name), or
+    a `.backward()` in forward."""
+
+    def __init__(self, backward: bool = False):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+        self.backward_in_forward = backward
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.backward_in_forward:
+            h.pow(2).sum().backward(retain_graph=True)
+            return h
+        (g,) = grad(h.pow(2).sum(), self.fc.weight, create_graph=True)
+        return h + g.pow(2).sum()
+
+
+# -- global state written in forward (refused) -------------------------------------------------
+
+CALLS = 0
+SEEN_SHAPES: list = []
+
+
+class CountsGlobally(nn.Module):
+    def __init__(self, log: bool = False):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+        self.log = log
+
+    def forward(self, x):
+        global CALLS
+        if self.log:
+            SEEN_SHAPES.append(tuple(x.shape))
+        else:
+            CALLS += 1
+        return self.fc(x)
+
+
+# -- captured (exact) --------------------------------------------------------------------------
+
+
+class NoGradRegion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.gate, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        with torch.no_grad():
+            g = torch.sigmoid(self.gate(h))
+            with torch.enable_grad():
+                g = g * 2
+        return self.fc2(h * g)
+
+
+class ItemBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.mean().item() > 0:
+            return h * 2
+        return h
+
+
+# -- tasks for gloo ranks ----------------------------------------------------------------------
+
+
+def _batch():
+    torch.manual_seed(0)
+    return torch.randn(8, 16), torch.randint(0, 8, (8,))
+
+
+def custom_op_trains_exactly(force: str) -> None:
+    """The custom_op straight-through estimator under plan `force` trains as one device
+    (float64: loss, gradients, parameters after 3 steps, inference output)."""
+    x, y = _batch()
+    model = CustomOpSTE().double()
+    x = x.double()
+    ref = copy.deepcopy(model)
+    pm = autopar.parallelize(model, mesh_for((2,)), loss_fn=F.cross_entropy,
+                             example_inputs=(x, y), force=force)
+    check_training(pm, ref, F.cross_entropy, x, y, steps=3)
+
+
+def refused_at_step(kind: str) -> str:
+    """parallelize (no example: traced at the first step) then step: the "Type: message" of
+    what this rank raised."""
+    x, y = _batch()
+    model = {"function": FunctionSTE, "layer_drop": LayerDrop}[kind]()
+    try:
+        pm = autopar.parallelize(model, mesh_for((2,)), loss_fn=F.cross_entropy)
+        pm.step(x, y)
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        return f"{type(e).__name__}: {e}"
+    return f"no error on rank {dist.get_rank()}"

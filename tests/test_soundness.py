@@ -1,0 +1,159 @@
+"""What torch.export would lose of forward is refused, naming the construct, the module and the
+line, and what to do instead (passes/soundness.py); what it keeps trains exactly."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopar.passes.trace import TraceError, trace
+from tests import soundness_tasks as m
+
+
+def _trace(model, batch: int = 8):
+    x = torch.randn(batch, 16)
+    return trace(model, (x,), F.cross_entropy, torch.randint(0, 8, (batch,)))
+
+
+def _refused(model, *words):
+    with pytest.raises(TraceError) as e:
+        _trace(model)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    return str(e.value)
+
+
+# -- custom autograd.Function -----------------------------------------------------------------
+
+def test_autograd_function_is_refused():
+    _refused(m.FunctionSTE(), "custom autograd.Function STE", "module model (FunctionSTE)",
+             "STE.apply(", "soundness_tasks.py", "backward would never run",
+             "torch.library.custom_op", "register_autograd")
+
+
+def test_gradient_reversal_is_refused():
+    _refused(m.GradientReversal(), "autograd.Function _Reverse", "_Reverse.apply(x)")
+
+
+def test_custom_op_with_register_autograd_is_kept_as_one_op():
+    program = _trace(m.CustomOpSTE())
+    ops = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert "autopar_tests.quantize_ste.default" in ops, ops
+
+
+@pytest.mark.parametrize("force", ["data", "tensor"])
+def test_custom_op_straight_through_trains_exactly(world2, force):
+    world2.run(m.custom_op_trains_exactly, force)
+
+
+# -- Python randomness ------------------------------------------------------------------------
+
+def test_python_random_is_refused_naming_the_innermost_module():
+    _refused(m.LayerDrop(), "Python's random module", "module model.blocks.0 (_Block)",
+             "soundness_tasks.py", "reuse that one draw", "torch ops",
+             "pass the value in as a tensor input")
+
+
+def test_python_random_in_a_folded_stack_is_refused():
+    """A stack of identical layers is traced as two layers and copied (passes/fold.py): the
+    draw is refused there too."""
+    _refused(m.LayerDrop(layers=6), "Python's random module", "module model.blocks.")
+
+
+def test_numpy_global_random_is_refused():
+    _refused(m.Mixup(), "numpy.random (its global generator)", "module model (Mixup)")
+
+
+@pytest.mark.parametrize("numpy", [False, True], ids=["random.Random", "numpy.Generator"])
+def test_generator_held_by_a_module_is_refused(numpy):
+    _refused(m.HeldGenerator(numpy), "from model.rng", "module model (HeldGenerator)")
+
+
+def test_torch_generator_of_its_own_is_refused():
+    _refused(m.TorchGenerator(), "torch.Generator of its own", "generator=self.gen",
+             "torch's default generator")
+
+
+def test_reseeding_in_forward_is_refused():
+    _refused(m.Reseeds(), "torch.manual_seed", "Seed in the training loop")
+
+
+def test_python_random_outside_forward_is_left_alone():
+    """Drawing in the training loop, between traces, is the user's business."""
+    random.random()
+    np.random.rand()
+    _trace(m.NoGradRegion())
+
+
+# -- hooks and backward in forward ------------------------------------------------------------
+
+def test_tensor_hook_in_forward_is_refused():
+    _refused(m.TensorHook(), "Tensor.register_hook", "module model (TensorHook)",
+             "h.register_hook(", "after step() returns")
+
+
+def test_post_accumulate_grad_hook_in_forward_is_refused():
+    _refused(m.TensorHook(post_accumulate=True), "register_post_accumulate_grad_hook")
+
+
+def test_autograd_grad_in_forward_is_refused():
+    """`grad` imported by name (bound before tracing) is refused all the same."""
+    _refused(m.GradientPenalty(), "backward pass", "module model (GradientPenalty)",
+             "grad(h.pow(2).sum()", "not supported")
+
+
+def test_backward_in_forward_is_refused():
+    _refused(m.GradientPenalty(backward=True), "backward pass", ".backward(retain_graph=True)")
+
+
+# -- global state -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("log", [False, True], ids=["counter", "list"])
+def test_global_written_in_forward_is_refused(log):
+    name = "SEEN_SHAPES" if log else "CALLS"
+    _refused(m.CountsGlobally(log), f"global tests.soundness_tasks.{name}",
+             "does not repeat Python side effects")
+
+
+# -- captured, or refused before -------------------------------------------------------------
+
+def test_no_grad_region_traces_detached():
+    """no_grad / enable_grad regions are kept (their exactness on ranks:
+    tests/test_equivalence.py::test_no_grad_region_two_ranks)."""
+    program = _trace(m.NoGradRegion())
+    assert any(n.target is torch.ops.aten.detach.default for n in program.graph.nodes)
+
+
+def test_item_branch_is_refused_as_data_dependent():
+    _refused(m.ItemBranch(), "data-dependent control flow", "h.mean().item() > 0")
+
+
+def test_the_gate_puts_torch_back():
+    """After a refusal, torch's functions are torch's again (autograd.Function and hooks work
+    as before in the user's own code)."""
+    apply = torch.autograd.Function.__dict__["apply"]
+    hook = torch.Tensor.register_hook
+    engine = torch.autograd._engine_run_backward
+    _refused(m.FunctionSTE(), "autograd.Function")
+    _refused(m.GradientPenalty(), "backward pass")
+    assert torch.autograd.Function.__dict__["apply"] is apply
+    assert torch.Tensor.register_hook is hook
+    assert torch.autograd._engine_run_backward is engine
+    x = torch.randn(4, requires_grad=True)
+    y = m.STE.apply(x * 1.3)
+    y.register_hook(lambda g: g * 2)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((4,), 2.6))
+
+
+# -- on ranks: the same error everywhere ------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["function", "layer_drop"])
+def test_refused_on_every_rank_at_step(world2, kind):
+    messages = world2.run(m.refused_at_step, kind)
+    word = {"function": "autograd.Function STE", "layer_drop": "Python's random module"}[kind]
+    for msg in messages:
+        assert msg.startswith("TraceError:") and word in msg, msg
+    assert messages[0] == messages[1], messages
