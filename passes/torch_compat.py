@@ -35,6 +35,11 @@ a tiny example, so a PyTorch release that changes one fails there, loudly, by na
   frame outside PyTorch (what autopar reads of a node's `stack_trace`) instead of
   symbolizing and formatting the whole Python stack (torch.fx.proxy's `CapturedTraceback`,
   replaced while tracing).
+- `watch_backward_runs(refuse)`: while tracing, calls `refuse()` before any backward pass
+  run from Python (`.backward()`, `torch.autograd.grad` however imported): both reach the
+  engine through torch.autograd's private `_engine_run_backward`, replaced while tracing (a
+  PyTorch without it has the public `torch.autograd.backward` and `grad` replaced instead,
+  which misses a `grad` imported before; tests/test_torch_compat.py fails on such a PyTorch).
 """
 
 from __future__ import annotations
@@ -292,3 +297,28 @@ class _InnermostFrame:
         if self.frame is None:
             return traceback.StackSummary()
         return traceback.StackSummary.from_list([traceback.FrameSummary(*self.frame)])
+
+
+@contextlib.contextmanager
+def watch_backward_runs(refuse):
+    """Within: a backward pass run from Python (`loss.backward()`, `torch.autograd.grad`)
+    calls `refuse()` first (which raises, or returns to let it run)."""
+    import torch.autograd as autograd
+
+    names = ["_engine_run_backward"] if hasattr(autograd, "_engine_run_backward") else \
+        ["backward", "grad"]
+    originals = {name: getattr(autograd, name) for name in names}
+
+    def watched(original):
+        def run(*args, **kwargs):
+            refuse()
+            return original(*args, **kwargs)
+        return run
+
+    for name, original in originals.items():
+        setattr(autograd, name, watched(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(autograd, name, original)

@@ -29,6 +29,7 @@ from . import fold as layer_fold
 from .forked import Forked, can_fork
 from .functionalize import WriteError, functionalize_activation_writes
 from .side_effects import SideEffectWatch
+from .soundness import SoundnessGate
 from .torch_compat import (
     ASSERTION_OPS,
     TreeSpec,
@@ -410,8 +411,10 @@ def _export(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack 
     restore = layer_fold.cut(root, stack) if stack is not None else None
     try:
         with SideEffectWatch(root, prefix=prefix) as watch, \
+                SoundnessGate(root, prefix, _refuse) as gate, \
                 watch_checkpoints(_refuse_checkpoint), innermost_stack_traces():
             ep = torch.export.export(root, args, kwargs, strict=False)
+        gate.check(ep)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - rewrapped with the user's line
@@ -909,6 +912,10 @@ def _functionalize(gm: fx.GraphModule) -> None:
             f"the model writes into a tensor in place ({e}){' at ' + where if where else ''}; "
             "autopar cannot make this write part of a sharded program. Write it out of place "
             "(e.g. torch.where, torch.cat, or x = x.clone() and index_put) instead.") from None
+
+
+def _refuse(why: str):
+    raise TraceError(why)
 
 
 def _refuse_checkpoint(why: str):
