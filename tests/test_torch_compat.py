@@ -160,3 +160,21 @@ def test_innermost_stack_traces_record_the_frame_fx_would_keep():
     assert f"line {forward + 1}, in forward: h = self.fc(x) * 2" in inner["linear"]
     assert inner["tanh"].endswith("in forward: return self.helper(h)")  # not in helper
     assert __file__.removesuffix("c") in inner["mul"]
+
+
+def test_watch_backward_runs_sees_backward_and_grad_imported_by_name():
+    """Both reach torch.autograd's private `_engine_run_backward`; a PyTorch without it
+    would miss a `grad` imported before tracing."""
+    from torch.autograd import grad
+
+    assert callable(getattr(torch.autograd, "_engine_run_backward", None)), (
+        "torch.autograd._engine_run_backward is gone: find the engine entry that backward() "
+        "and autograd.grad share, and wrap it in torch_compat.watch_backward_runs")
+    seen = []
+    x = torch.ones(3, requires_grad=True)
+    with torch_compat.watch_backward_runs(lambda: seen.append(1)):
+        grad(x.sum(), x)
+        (x * 2).sum().backward()
+    assert seen == [1, 1]
+    (x * 2).sum().backward()  # put back
+    assert seen == [1, 1]
