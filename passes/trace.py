@@ -590,7 +590,14 @@ def draws_random(node: fx.Node) -> bool:
         return bool(train and p)
     if packet is torch.ops.aten.scaled_dot_product_attention:
         return bool(node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0))
+    if node.target in _RECURRENT:  # (input, hx, params, has_biases, layers, dropout, train, ...)
+        return bool(node.args[5] and node.args[6])
     return True
+
+
+# nn.GRU, nn.LSTM and nn.RNN on padded batches: they draw only for dropout between layers
+_RECURRENT = (torch.ops.aten.gru.input, torch.ops.aten.lstm.input,
+              torch.ops.aten.rnn_tanh.input, torch.ops.aten.rnn_relu.input)
 
 
 def untraced_hooks(model: nn.Module) -> str | None:

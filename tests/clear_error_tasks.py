@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -19,9 +20,9 @@ from tests.rank_tasks import build, check_training, in_float64, mesh_for
 class Recurrent(nn.Module):
     """A GRU or LSTM over a sequence and a linear head on its last step."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, dropout: float = 0.0):
         super().__init__()
-        self.rnn = getattr(nn, kind)(8, 16, num_layers=2, batch_first=True)
+        self.rnn = getattr(nn, kind)(8, 16, num_layers=2, batch_first=True, dropout=dropout)
         self.head = nn.Linear(16, 4)
 
     def forward(self, x):
@@ -29,13 +30,21 @@ class Recurrent(nn.Module):
         return self.head(out[:, -1])
 
 
-def rnn_equivalence(kind: str, force: str) -> None:
-    """An nn.GRU / nn.LSTM model trains as on one device (float64, 2 AdamW steps)."""
+def rnn_equivalence(kind: str, force: str, microbatches: int = 1, dropout: float = 0.0) -> None:
+    """An nn.GRU / nn.LSTM model trains as on one device (float64, 2 AdamW steps), its
+    recurrent op sharded by the batch (it has a sharding rule: no warning); with dropout
+    between its layers, it runs whole on every rank, drawing what one device draws."""
     torch.manual_seed(0)
-    model, (x, y) = in_float64(Recurrent(kind), (torch.randn(4, 5, 8), torch.randn(4, 4)))
+    model, (x, y) = in_float64(Recurrent(kind, dropout),
+                               (torch.randn(4, 5, 8), torch.randn(4, 4)))
     ref = copy.deepcopy(model)
-    pm = autopar.parallelize(model, mesh_for((dist.get_world_size(),)), loss_fn=F.mse_loss,
-                             example_inputs=(x, y), force={"dp": force})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = autopar.parallelize(model, mesh_for((dist.get_world_size(),)), loss_fn=F.mse_loss,
+                                 example_inputs=(x, y), force={"dp": force},
+                                 microbatches=microbatches)
+    unsharded = [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
+    assert not unsharded, unsharded
     check_training(pm, ref, F.mse_loss, x, y, steps=2)
 
 

@@ -616,3 +616,28 @@ for _op, _extra in ((aten.mse_loss.default, ()), (aten.l1_loss.default, ()),
     add(_op, "none", lambda g, _e=_extra: call(g.f(6, 4, 5), g.f(6, 4, 5), 0, *_e))
 add(aten.mse_loss.default, "default", lambda g: call(g.f(12, 5), g.f(12, 5)))
 add(aten.mse_loss.default, "bcast_target", lambda g: call(g.f(6, 4), g.f(4)))
+
+
+def _rnn_weights(g: Gen, gates: int, inputs: int, hidden: int, layers: int) -> list:
+    """An RNN's flat weight list (w_ih, w_hh, b_ih, b_hh per layer), as nn.GRU / nn.LSTM /
+    nn.RNN pass it."""
+    out = []
+    for layer in range(layers):
+        width = inputs if layer == 0 else hidden
+        out += [g.f(gates * hidden, width), g.f(gates * hidden, hidden),
+                g.f(gates * hidden), g.f(gates * hidden)]
+    return out
+
+
+# (input, hx, weights, has_biases, num_layers, dropout, train, bidirectional, batch_first)
+add(aten.gru.input, "batch_first", lambda g: call(
+    g.f(6, 5, 4), g.f(2, 6, 3), _rnn_weights(g, 3, 4, 3, 2), True, 2, 0.0, True, False, True))
+add(aten.gru.input, "time_first", lambda g: call(
+    g.f(5, 6, 4), g.f(1, 6, 3), _rnn_weights(g, 3, 4, 3, 1), True, 1, 0.0, True, False, False))
+add(aten.lstm.input, "batch_first", lambda g: call(
+    g.f(6, 5, 4), [g.f(1, 6, 3), g.f(1, 6, 3)], _rnn_weights(g, 4, 4, 3, 1), True, 1, 0.0,
+    True, False, True))
+add(aten.rnn_tanh.input, "time_first", lambda g: call(
+    g.f(5, 6, 4), g.f(1, 6, 3), _rnn_weights(g, 1, 4, 3, 1), True, 1, 0.0, True, False, False))
+add(aten.rnn_relu.input, "batch_first", lambda g: call(
+    g.f(6, 5, 4), g.f(1, 6, 3), _rnn_weights(g, 1, 4, 3, 1), True, 1, 0.0, True, False, True))

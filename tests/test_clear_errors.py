@@ -31,11 +31,18 @@ def test_a_call_on_one_rank_ends_within_the_process_groups_timeout(peer):
 
 
 @pytest.mark.parametrize("kind", ["GRU", "LSTM"])
-@pytest.mark.parametrize("force", ["data", "fsdp"])
-def test_recurrent_layers_train_as_on_one_device(world2, kind, force):
+@pytest.mark.parametrize("force,microbatches", [("data", 1), ("fsdp", 1), ("data", 2)])
+def test_recurrent_layers_train_as_on_one_device(world2, kind, force, microbatches):
     """nn.GRU and nn.LSTM rebuild their `_flat_weights` list when export swaps their
-    parameters: not a side effect (it was refused as one); they train exactly (float64)."""
-    world2.run(tasks.rnn_equivalence, kind, force)
+    parameters: not a side effect (it was refused as one); they train exactly (float64),
+    sharded by the batch (passes/rules/recurrent.py), with gradient accumulation too."""
+    world2.run(tasks.rnn_equivalence, kind, force, microbatches)
+
+
+def test_recurrent_dropout_draws_as_one_device(world2):
+    """An LSTM with dropout between its layers draws inside the op: it runs whole on every rank
+    (each draws what one device draws from the same generator), and trains exactly."""
+    world2.run(tasks.rnn_equivalence, "LSTM", "data", 1, 0.3)
 
 
 def test_hugging_face_cache_is_named_with_what_to_do(world2):

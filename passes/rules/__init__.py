@@ -9,6 +9,7 @@ from . import (  # noqa: F401
     norms,
     pointwise,
     random,
+    recurrent,
     reductions,
     views,
 )
