@@ -151,10 +151,31 @@ class Original:
                          for n, m in model.named_modules()]
         # (name, the module, "_parameters" or "_buffers", attribute, the tensor it holds)
         self._tensors: list[tuple[str, weakref.ref, str, str, torch.Tensor]] = []
+        # (the tensor, weakly, its name): the model's own tensors at parallelize, by where
+        # their storage starts (export lifts a captured parameter as a detached alias of it)
+        self._own = {t.data_ptr(): (weakref.ref(t), n)
+                     for n, t in [*model.named_parameters(), *model.named_buffers()]
+                     if not t.is_meta and t.numel()}
 
     def model(self) -> nn.Module | None:
         """The model, while it lives."""
         return self._model()
+
+    def captured(self, constants: dict[str, torch.Tensor]) -> str | None:
+        """An error message when a traced program holds one of the model's own tensors as a
+        constant: a loss function that captured the tensor itself (`w = model.c.weight`
+        outside it) instead of reading it through the model while it runs (`lent`)."""
+        for t in constants.values():
+            entry = self._own.get(t.data_ptr()) if t.numel() else None
+            own = entry[0]() if entry is not None else None
+            if own is not None and own.shape == t.shape and own.dtype == t.dtype:
+                return (f"the loss function captured {entry[1]} of the model passed to "
+                        "autopar.parallelize as a tensor (taken from the model outside the "
+                        "loss function): the program would keep it as a constant, while "
+                        "the parallelized model trains and loads the model's tensors, which "
+                        "its build replaces by this rank's shards. Read it through the model "
+                        f"inside the loss function (model.{entry[1]}): it is traced then")
+        return None
 
     def built(self, tree: nn.Module) -> None:
         """`tree` (the parallelized model) holds its parameters and buffers now: each of the

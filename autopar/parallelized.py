@@ -454,11 +454,20 @@ class Parallelized(nn.Module):
         use_loss_fn = bool(with_loss) and self._loss_fn is not None
         self._guards.sync(self, model)
         with self._guards.reading(model):
-            return trace(model, traced_call.args, self._loss_fn if use_loss_fn else None,
-                         traced_call.target, kwargs=dict(traced_call.kwargs),
-                         output_loss=with_loss if self._loss_fn is None else False,
-                         device=self._device, compute_dtype=self._compute_dtype,
-                         source=self._original.model())
+            program = trace(model, traced_call.args, self._loss_fn if use_loss_fn else None,
+                            traced_call.target, kwargs=dict(traced_call.kwargs),
+                            output_loss=with_loss if self._loss_fn is None else False,
+                            device=self._device, compute_dtype=self._compute_dtype,
+                            source=self._original.model())
+        return self._not_captured(program)
+
+    def _not_captured(self, program: TracedProgram) -> TracedProgram:
+        """`program`, or a TraceError when it holds a tensor of the model as a constant (a
+        loss function that captured one: autopar/originals.py `captured`)."""
+        error = self._original.captured(program.constants)
+        if error:
+            raise TraceError(error)
+        return program
 
     def _module_modes(self) -> dict[str, bool]:
         """The train / eval flag of every module, by its name in the model ("" the model)."""
@@ -844,7 +853,7 @@ class Parallelized(nn.Module):
             if pipe is None:
                 raise ValueError("the mesh has a pp dimension but the plan is not pipelined; "
                                  "re-plan with autopar.plan on this mesh")
-            program = tracer(pipe.microbatches)
+            program = self._not_captured(tracer(pipe.microbatches))
             graph = strat_pass.build(program, spec.without(pipe.mesh_dim).shape)
             choice = choice_from_plan(chosen, graph)
             blocks = layer_blocks(program, graph)

@@ -95,8 +95,8 @@ def loss_reading_the_model(mesh_shape, force) -> None:
     """A loss function reading the model passed to parallelize (class weights in its buffer,
     an L2 term on `model.c.weight` scaled by `model.scale`) computes on its live tensors: the
     loss, the gradients (the L2 term's included) and the parameters after two SGD steps equal
-    one device's; the buffer changed in place and the coefficient set anew act at the next
-    step."""
+    one device's; the buffer changed in place or assigned anew and the coefficient set anew
+    act at the next step."""
     model, ref, x, y = _net()
     loss_fn, ref_loss_fn = penalized(model), penalized(ref)
     pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=loss_fn, force=force,
@@ -109,6 +109,9 @@ def loss_reading_the_model(mesh_shape, force) -> None:
                 model.cw.mul_(2.0)
                 ref.cw.mul_(2.0)
             model.scale = ref.scale = 5e-2
+        if step == 3:  # a buffer assigned anew
+            model.cw = torch.linspace(2.0, 1.0, 8, dtype=torch.float64)
+            ref.cw = torch.linspace(2.0, 1.0, 8, dtype=torch.float64)
         opt.zero_grad()
         loss = pm.step(x, y)
         ref_opt.zero_grad()
@@ -135,6 +138,26 @@ def old_optimizer(mesh_shape, force) -> str:
     except RuntimeError as e:
         return str(e)
     raise AssertionError("an optimizer over the model's replaced parameters stepped")
+
+
+def captured_tensor(which: str) -> str:
+    """A loss function holding one of the model's tensors itself (taken from the model outside
+    it: `which`, a parameter or a buffer) would keep it as a constant while the model trains:
+    every rank raises, naming it and what to read instead. Returns "Type: message"."""
+    model, _, x, y = _net()
+    held = model.get_parameter(which) if which == "c.weight" else model.get_buffer(which)
+
+    def loss_fn(out, t):
+        if held.dim() == 2:
+            return F.cross_entropy(out, t) + held.pow(2).sum()
+        return F.cross_entropy(out, t, weight=held)
+
+    pm = autopar.parallelize(model, mesh_for((2,)), loss_fn=loss_fn, force="data")
+    try:
+        pm.step(x, y)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError("a loss capturing the model's tensor trained on a constant")
 
 
 def pipelined() -> list[str]:

@@ -30,6 +30,13 @@ def test_an_optimizer_built_before_parallelize_is_refused(world2):
         assert "before the build" in error and "over model.parameters()" in error
 
 
+@pytest.mark.parametrize("which", ["c.weight", "cw"])
+def test_a_loss_capturing_a_tensor_of_the_model_is_refused(world2, which):
+    for error in world2.run(one_model_tasks.captured_tensor, which):
+        assert error.startswith("TraceError: the loss function captured " + which), error
+        assert f"inside the loss function (model.{which})" in error, error
+
+
 def test_a_pipelined_model_holds_its_stages(world2):
     meta = world2.run(one_model_tasks.pipelined)
     assert meta[0] and meta[1] and not set(meta[0]) & set(meta[1])
