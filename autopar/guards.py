@@ -159,8 +159,9 @@ class ValueGuards:
         return (f"the loss function reads the parallelized model ({where}): its modules "
                 "hold this rank's shards of the parameters (none before the first call), "
                 "which the traced loss cannot use. Read the model you passed to "
-                "parallelize instead (model.fc.weight, not pmodel.fc.weight: the loss is "
-                "traced with it), or compute the term in the model's forward")
+                "parallelize instead (with `pmodel = autopar.parallelize(model, ...)`, read "
+                "model.fc.weight, not pmodel.fc.weight: the loss is traced with it), or "
+                "compute the term in the model's forward")
 
     def remember(self, fingerprint: Fingerprint) -> None:
         """A program was built for these values."""
