@@ -55,10 +55,11 @@ class PlanOptions:
       microbatches    on a mesh without "pp": gradient accumulation over that many
                       microbatches a step (None: the planner accumulates only when the whole
                       batch does not fit); with "pp": the pipeline's microbatches
+      loss_reduction  how the loss combines a batch ("mean" or "sum"), for microbatches
+                      (accumulation or pipelines) of a loss whose last op does not say;
+                      None (the default): such a loss is not split into microbatches
     Pipelines (a mesh dimension named "pp"):
       schedule ("gpipe", "1f1b", "interleaved"), virtual_stages
-      loss_reduction  how the loss combines a batch ("mean" or "sum"), for microbatches
-                      (accumulation or pipelines) of a loss whose last op does not say
     Inputs:
       per_rank_inputs names of mesh dimensions over which every rank passes its own slice of
                       the batch (dimension 0 of every input and the target, concatenated in
@@ -90,7 +91,7 @@ class PlanOptions:
     microbatches: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
-    loss_reduction: str = "mean"
+    loss_reduction: str | None = None
     per_rank_inputs: tuple[str, ...] = ()
     on_new_shape: str = "replan"
     search_workers: int | None = field(default=None, compare=False)
@@ -106,7 +107,8 @@ class PlanOptions:
                 SOLVERS)
         if self.schedule is not None:
             _one_of("schedule", self.schedule, SCHEDULES)
-        _one_of("loss_reduction", self.loss_reduction, ("mean", "sum"))
+        if self.loss_reduction is not None:
+            _one_of("loss_reduction", self.loss_reduction, ("mean", "sum"))
         _one_of("precision", self.precision, ("fp32", "bf16-mixed"))
         _one_of("on_new_shape", self.on_new_shape, ON_NEW_SHAPE)
         if self.recompute is not None:

@@ -391,13 +391,11 @@ class Parallelized(nn.Module):
                 traces[m] = self._trace(microbatch(call, m), step)
             return traces[m]
 
-        # Every rank traces the model on the microbatches the plan will most likely take (the
-        # given plan's, else the options', else 1) before rank 0 plans, not after it: the
-        # ranks trace side by side instead of waiting for rank 0's planning in turn.
-        given = self._plan_given()
-        first = given.accumulation if given is not None else (
-            self._options.microbatches if step and self._options.microbatches else 1)
-        self._agreed("tracing the model", lambda: trace_at(first))
+        # Every rank traces the model on the whole batch before rank 0 plans, not after it: the
+        # ranks trace side by side instead of waiting for rank 0's planning in turn. (The whole
+        # batch's trace says whether microbatches add up to it, before one is traced: one may
+        # not trace, as under a loss that captures the whole batch's mask.)
+        self._agreed("tracing the model", lambda: trace_at(1))
         plan = self._plan_for(trace_at, batch_of(call), accumulate=bool(step))
         program = self._agreed("tracing the model", lambda: trace_at(plan.accumulation))
         spec = self._spec
@@ -438,7 +436,8 @@ class Parallelized(nn.Module):
         if program.has_target:
             target = (tuple(call.target.shape), call.target.dtype)
         built = _Built(runner, target, program.random_ops,
-                       of_program(program, bool(self._options.per_rank_inputs)))
+                       of_program(program, bool(self._options.per_rank_inputs),
+                                  self._options.loss_reduction, trace_at(1)))
         key = self._model_key(call)  # with the values this trace found it reads
         self._guards.remember(key[0][1])
         self._runners.setdefault(key, []).append(built)
@@ -775,7 +774,8 @@ class Parallelized(nn.Module):
         self._check_same_plan(plan)
         program, train, infer, written, _, loss_placement = self._cut_stages(tracer, plan)
         self._pipeline_plans[key] = _Variant(
-            plan, of_program(program), (tuple(target.shape), target.dtype), program, train,
+            plan, of_program(program, whole=tracer(1)), (tuple(target.shape), target.dtype),
+            program, train,
             infer, written, loss_placement, self._constants(program), _roots(program))
 
     def _add_pipeline_stages(self, key: tuple, train: bool) -> None:
@@ -836,7 +836,7 @@ class Parallelized(nn.Module):
             self._full_meta, self._compute_dtype, written, program.random_ops)
         self._pipeline.ops = _ops_of(program)
         self._pipeline_plans[None] = _Variant(
-            chosen, of_program(program), (tuple(example_inputs[-1].shape),
+            chosen, of_program(program, whole=tracer(1)), (tuple(example_inputs[-1].shape),
                                           example_inputs[-1].dtype))
         self._last_plan = chosen
         return self._pipeline

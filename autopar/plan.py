@@ -121,7 +121,7 @@ class PipelinePlan:
     stage_time: list[float] = field(default_factory=list)
     in_flight: list[float] = field(default_factory=list)
     rank_memory: list[dict[str, float]] = field(default_factory=list)
-    loss_reduction: str = "mean"
+    loss_reduction: str | None = "mean"
 
     @property
     def num_stages(self) -> int:

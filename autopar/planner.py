@@ -432,7 +432,7 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
     NoFeasiblePlan where nothing can fit."""
     m = rounds.counts[rounds.next]
     levels, recompute = rounds.levels, rounds.recompute()
-    program = trace_at(m)
+    # (checked before tracing a microbatch, which may not trace: a captured whole-batch mask)
     why = split_problem(trace_at(1), m, bool(options.per_rank_inputs),
                         options.loss_reduction) if m > 1 else ""
     if why and options.microbatches is not None:
@@ -445,6 +445,7 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
                                rounds.error.dominant, rounds.error.activations_matter) \
             if rounds.error is not None else rounds.error
         return dataclasses.replace(rounds, error=error, done=True)
+    program = trace_at(m)
     found, error = list(rounds.found), rounds.error
     plain = False  # a plan fits at this count without recomputing more than levels[0]
     # Each level only adds work to every plan (parameters gathered again, ops recomputed):

@@ -68,18 +68,22 @@ def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | Non
 
 
 def split_problem(whole: TracedProgram, m: int, per_rank_inputs: bool = False,
-                  loss_reduction: str = "mean") -> str:
+                  loss_reduction: str | None = None) -> str:
     """Why m microbatches of the model traced as `whole` (on the whole batch) would not add
     up to the whole batch's step, or "": BatchNorm in training mode or a loss whose
-    microbatches cannot be weighted (passes/loss_weights.py), random numbers drawn in a
-    shape of their own, else an op mixing the samples (`mixing`). Gradient accumulation and
-    pipeline schedules both split the batch this way."""
+    microbatches cannot be weighted (passes/loss_weights.py: one autopar cannot read when
+    `loss_reduction`, the user's word on it, is None), random numbers drawn in a shape of
+    their own, else an op mixing the samples (`mixing`). Gradient accumulation and pipeline
+    schedules both split the batch this way."""
     if m <= 1:
         return ""
-    return of_program(whole, per_rank_inputs).exact() or _unsplit_draws(whole) or \
+    weights = of_program(whole, per_rank_inputs, loss_reduction)
+    # a loss autopar cannot read is refused last: a reason no loss_reduction answers first
+    unread = weights.refused if not weights.kind else ""
+    return (weights.coupled if unread else weights.exact()) or _unsplit_draws(whole) or \
         _buffer_writes(whole, m) or \
         mixing(whole, m, next(iter(whole.strategy_graphs.values()), None),
-               loss_reduction != "sum")
+               loss_reduction != "sum") or unread
 
 
 def _buffer_writes(whole: TracedProgram, m: int) -> str:
@@ -237,7 +241,10 @@ def _loss_reduction(graph: strategies.StrategyGraph, possible: dict, read, kind:
                 "loss would add it once more (with \"mean\", each weighted 1/m, it adds up)")
     return (f"the loss's last op {read.op}{_where(read)} combines sums or means over the "
             "batch in a way that is not their sum (a ratio of two sums over the batch, as a "
-            "masked mean is), so microbatches' losses cannot be weighted to add up to it")
+            "masked mean or a sum over tokens divided by their count is), so microbatches' "
+            "losses cannot be weighted to add up to it; a cross-entropy's own mean "
+            "(F.cross_entropy(..., ignore_index=-100)) divides by the targets it counts and is "
+            "weighted by each microbatch's count")
 
 
 def _first_reduction(graph: strategies.StrategyGraph, possible: dict, name: str,

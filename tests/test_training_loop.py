@@ -328,19 +328,19 @@ def test_accumulation_refused_where_the_loss_reduces_the_batch_before_its_last_o
     averaged (or summed) the batch before it, or divides two sums over the batch, would have
     been weighted m times too much or too little. microbatches= is refused naming the op, and
     the planner never accumulates such a loss (it once chose to and reported twice the
-    loss); a sum of sums still accumulates, weighted by loss_reduction."""
+    loss); a sum of sums still accumulates, weighted as loss_reduction says."""
     import autopar
     from autopar.solver.ilp import NoFeasiblePlan
     x, y = torch.randn(16, 16), torch.randn(16, 16)
     mesh = autopar.MeshSpec((2,))
     with pytest.raises(ValueError, match=rf"microbatches=2: .*{where}"):
         autopar.plan(_Encoder(), mesh, (x, y), loss_fn=loss_fn, microbatches=2)
-    assert autopar.plan(_Encoder(), mesh, (x, y), loss_fn=_sums,
-                        microbatches=2).accumulation == 2
-    # A term the batch does not reach (a regulariser) added to a mean adds up under the
-    # default weights 1/m, not under loss_reduction="sum" (m times).
-    assert autopar.plan(_Encoder(), mesh, (x, y), loss_fn=_regularised,
-                        microbatches=2).accumulation == 2
+    assert autopar.plan(_Encoder(), mesh, (x, y), loss_fn=_sums, microbatches=2,
+                        loss_reduction="sum").accumulation == 2
+    # A term the batch does not reach (a regulariser) added to a mean adds up under
+    # loss_reduction="mean" (weights 1/m), not under loss_reduction="sum" (m times).
+    assert autopar.plan(_Encoder(), mesh, (x, y), loss_fn=_regularised, microbatches=2,
+                        loss_reduction="mean").accumulation == 2
     with pytest.raises(ValueError, match="adds a term the batch does not reach"):
         autopar.plan(_Encoder(), mesh, (x, y), loss_fn=_regularised, microbatches=2,
                      loss_reduction="sum")
@@ -350,7 +350,7 @@ def test_accumulation_refused_where_the_loss_reduces_the_batch_before_its_last_o
                          memory_budget=float("inf")).cost.memory
     budget = sum(whole.values()) - whole["activations"] / 2  # only microbatches fit
     assert autopar.plan(_Encoder().double(), mesh, (x, y), loss_fn=_sums,
-                        memory_budget=budget).accumulation > 1
+                        memory_budget=budget, loss_reduction="sum").accumulation > 1
     with pytest.raises(NoFeasiblePlan, match=rf"accumulation would not compute .*{where}"):
         autopar.plan(_Encoder().double(), mesh, (x, y), loss_fn=loss_fn, memory_budget=budget)
 
