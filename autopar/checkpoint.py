@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from autopar.runtime.control import RankError, agreed
 
+from .originals import parallelized_of
 from .parallelized import Parallelized
 
 __all__ = ["CheckpointError", "load", "save"]
@@ -49,7 +50,9 @@ def save(path: str, model: Parallelized, optimizer: torch.optim.Optimizer | None
          extra: dict | None = None) -> None:
     """Write the model's (and the optimizer's) state to the folder `path`, every rank its
     shards (a collective). `extra` holds small picklable values (the step, the data loader's
-    position) returned by `load`."""
+    position) returned by `load`. `model` is the parallelized model, or the model passed to
+    parallelize (which became it)."""
+    model = parallelized_of(model)
     control = model.control
     token = control.broadcast_object(uuid.uuid4().hex[:12] if control.rank == 0 else None)
     partial = f"{path}.partial-{token}"
@@ -81,6 +84,7 @@ def load(path: str, model: Parallelized, optimizer: torch.optim.Optimizer | None
     and mesh it was saved under; returns the `extra` values saved with it. A checkpoint of
     another model (missing or extra names, other shapes or dtypes) raises CheckpointError on
     every rank, naming the tensors, before anything is loaded."""
+    model = parallelized_of(model)
     state = _state(model, optimizer)
     error = None
     try:  # (a pp rank's state holds its stages' tensors; the model's names are every stage's)

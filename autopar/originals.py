@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -71,6 +72,11 @@ def _refuse(optimizer, args, kwargs) -> None:
 
 def _parallelized(model: nn.Module) -> nn.Module:
     return model.__dict__[_KEY]
+
+
+def parallelized_of(model: nn.Module) -> nn.Module:
+    """The parallelized model `model` became (`model` itself when it is not one)."""
+    return _parallelized(model) if isinstance(model, ParallelizedModel) else model
 
 
 class ParallelizedModel:
@@ -125,6 +131,21 @@ def fresh(model: nn.Module) -> None:
                 "as FSDP2's fully_shard does. Use it as it is, or parallelize a new model")
         model.__class__ = type(model).__bases__[1]
         del model.__dict__[_KEY]
+
+
+@contextlib.contextmanager
+def as_given(model: nn.Module):
+    """While the block runs (the build reading and initializing the model's tensors, module by
+    module), `model` is of its own class again."""
+    cls = type(model)
+    if not issubclass(cls, ParallelizedModel):
+        yield
+        return
+    model.__class__ = cls.__bases__[1]
+    try:
+        yield
+    finally:
+        model.__class__ = cls
 
 
 def become(model: nn.Module, parallelized: nn.Module) -> None:

@@ -79,7 +79,7 @@ from .inputs import (
 from .materialize import aliases, broadcast_from_rank0, local_values
 from .mesh import MeshSpec
 from .options import PlanOptions
-from .originals import Original, become, fresh
+from .originals import Original, as_given, become, fresh
 from .plan import Plan
 from .planner import choice_from_plan, input_placement, solve_accumulated, solve_pipeline_plan
 
@@ -574,8 +574,9 @@ class Parallelized(nn.Module):
                 return local_block(whole, placements[name], mesh_shape, coords)
             return whole.clone() if name in buffers else None
 
-        local = self._agreed("initializing the parameters", lambda: local_values(
-            model, keep, self._device, self._broadcast_group(), self._init_fn))
+        with as_given(model):  # (its own class's methods initialize it, module by module)
+            local = self._agreed("initializing the parameters", lambda: local_values(
+                model, keep, self._device, self._broadcast_group(), self._init_fn))
         self._store = ParameterStore(
             mesh, placements, {n: local[n] for n in placements},
             {n: params[n].requires_grad for n in placements}, self._aliases, zero,

@@ -55,12 +55,12 @@ def _whole(state: dict) -> dict:
     return {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in state.items()}
 
 
-def the_model_trains(mesh_shape, force) -> None:
+def the_model_trains(mesh_shape, force, path: str) -> None:
     """After parallelize the model is the parallelized model: an optimizer over
     `model.parameters()` trains it (loss and parameters equal one device's), `model(x)` is
     the trained model's output, `model.state_dict()` is pmodel's, clip_grad_norm_ over
-    `model.parameters()` clips by the global norm, and the model's own full tensors are
-    freed."""
+    `model.parameters()` clips by the global norm, autopar.checkpoint saves and loads it
+    (at `path`), and the model's own full tensors are freed."""
     model, ref, x, y = _net()
     first = weakref.ref(model.a.weight)
     pm = autopar.parallelize(model, mesh_for(mesh_shape), loss_fn=F.cross_entropy,
@@ -89,6 +89,12 @@ def the_model_trains(mesh_shape, force) -> None:
     state, own = model.state_dict(keep_vars=True), pm.state_dict(keep_vars=True)
     assert list(state) == list(own) and all(state[n] is own[n] for n in own)
     check_equal("state", _whole(model.state_dict()), ref.state_dict())
+    autopar.checkpoint.save(path, model, opt)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    autopar.checkpoint.load(path, model, opt)
+    check_equal("parameter", pm.full_parameters(), dict(ref.named_parameters()))
 
 
 def loss_reading_the_model(mesh_shape, force) -> None:

@@ -15,8 +15,8 @@ STYLES = ["data", "fsdp", "tensor"]
 
 
 @pytest.mark.parametrize("force", STYLES)
-def test_the_model_passed_in_is_the_trained_model(world2, force):
-    world2.run(one_model_tasks.the_model_trains, (2,), force)
+def test_the_model_passed_in_is_the_trained_model(world2, tmp_path, force):
+    world2.run(one_model_tasks.the_model_trains, (2,), force, str(tmp_path / "ckpt"))
 
 
 @pytest.mark.parametrize("force", STYLES)
