@@ -76,6 +76,12 @@ def test_torch_generator_of_its_own_is_refused():
              "torch's default generator")
 
 
+def test_torch_generator_passed_in_is_refused():
+    """Inputs are tensors (passes/trace.py refuses anything else, a generator included)."""
+    with pytest.raises(TraceError, match="is a Generator, not a tensor"):
+        trace(m.TorchGenerator(), (torch.randn(8, 16),), kwargs={"gen": torch.Generator()})
+
+
 def test_reseeding_in_forward_is_refused():
     _refused(m.Reseeds(), "torch.manual_seed", "Seed in the training loop")
 
