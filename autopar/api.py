@@ -14,6 +14,7 @@ from .collector import planning
 from .inputs import batch_of, microbatch, on_meta, split_call
 from .mesh import MeshSpec
 from .options import PlanOptions
+from .originals import release
 from .parallelized import Parallelized, PlanMismatchError, batch_size, pipeline_tracer
 from .plan import Plan
 from .planner import plan_round, solve_accumulated, solve_pipeline_plan, start_rounds
@@ -185,7 +186,11 @@ def parallelize(model: nn.Module, mesh=None, *, loss_fn=None, example_inputs=Non
         _no_pipeline_options(options)
     pmodel = Parallelized(model, mesh, spec, options, loss_fn, plan, init_fn)
     if example_inputs is not None:
-        pmodel.build(example_inputs, example_kwargs)
+        try:
+            pmodel.build(example_inputs, example_kwargs)
+        except BaseException:
+            release(model)  # its own again, unless the build replaced its tensors
+            raise
     return pmodel
 
 

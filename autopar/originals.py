@@ -129,6 +129,13 @@ def fresh(model: nn.Module) -> None:
                 "this model was parallelized already: autopar.parallelize makes the model "
                 "passed to it the parallelized model (its parameters are this rank's shards), "
                 "as FSDP2's fully_shard does. Use it as it is, or parallelize a new model")
+        release(model)
+
+
+def release(model: nn.Module) -> None:
+    """`model` is its own again, unless its tensors are the parallelized model's already
+    (parallelize failed before its build)."""
+    if isinstance(model, ParallelizedModel) and not model.__dict__.get(_BUILT):
         model.__class__ = type(model).__bases__[1]
         del model.__dict__[_KEY]
 

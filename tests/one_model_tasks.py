@@ -166,6 +166,29 @@ def captured_tensor(which: str) -> str:
     raise AssertionError("a loss capturing the model's tensor trained on a constant")
 
 
+def parallelized_twice() -> str:
+    """A model whose parallelize failed at its build is its own again: parallelized anew, it
+    trains as one device; parallelizing it once more after that build is an error (its
+    tensors are the parallelized model's). Returns that error."""
+    model, ref, x, y = _net()
+    try:
+        autopar.parallelize(model, mesh_for((2,)), loss_fn=lambda out, t: out.sum(0),
+                            example_inputs=(x, y), force="data")
+    except Exception as e:  # noqa: BLE001 - a loss that is not a scalar, on every rank
+        assert "scalar" in str(e), e
+    else:
+        raise AssertionError("a loss that is not a scalar built")
+    assert type(model) is Net
+    autopar.parallelize(model, mesh_for((2,)), loss_fn=F.cross_entropy, force="data")
+    loss = model.step(x, y)
+    torch.testing.assert_close(loss, F.cross_entropy(ref(x), y).detach(), rtol=RTOL, atol=ATOL)
+    try:
+        autopar.parallelize(model, mesh_for((2,)), loss_fn=F.cross_entropy)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("a parallelized model was parallelized again")
+
+
 def pipelined() -> list[str]:
     """Under a pipelined plan the model holds this rank's stages' parameters (pmodel's, what
     `model.parameters()` gives) and meta tensors for the others: an optimizer over

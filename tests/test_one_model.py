@@ -37,6 +37,11 @@ def test_a_loss_capturing_a_tensor_of_the_model_is_refused(world2, which):
         assert f"inside the loss function (model.{which})" in error, error
 
 
+def test_a_model_is_parallelized_again_only_if_its_build_failed(world2):
+    for error in world2.run(one_model_tasks.parallelized_twice):
+        assert "this model was parallelized already" in error, error
+
+
 def test_a_pipelined_model_holds_its_stages(world2):
     meta = world2.run(one_model_tasks.pipelined)
     assert meta[0] and meta[1] and not set(meta[0]) & set(meta[1])
