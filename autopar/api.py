@@ -55,7 +55,7 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=Non
     # Traced as parallelize traces it: without storage, for the device the model is on.
     device = next((t.device for t in [*model.parameters(), *model.buffers()]
                    if t.device.type != "meta"), None)
-    model = meta_copy(model)
+    source, model = model, meta_copy(model)  # (a loss_fn reading `source` is traced on it)
     dtype = compute_dtype(options.precision)
     call = on_meta(split_call(example_inputs, dict(example_kwargs or {}),
                               with_target=loss_fn is not None))
@@ -78,10 +78,12 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=Non
             copies = any(t.folded for t in traces.values())
             traces[m] = trace(model, part.args, loss_fn, part.target, kwargs=dict(part.kwargs),
                               output_loss="auto", device=device, compute_dtype=dtype,
-                              fold=not whole, beside=True, deferred=pending, copies=copies)
+                              fold=not whole, beside=True, deferred=pending, copies=copies,
+                              source=source)
         return traces[m]
 
-    pipeline_trace = pipeline_tracer(model, example_inputs, loss_fn, device, dtype=dtype)
+    pipeline_trace = pipeline_tracer(model, example_inputs, loss_fn, device, dtype=dtype,
+                                     source=source)
 
     def plan_on(spec: MeshSpec) -> Plan:
         if spec.pipeline_dim is not None:

@@ -217,3 +217,18 @@ def pipelined() -> list[str]:
     meta = [n for n, p in nn.Module.named_parameters(model) if p.is_meta]
     assert meta and all(n not in dict(pm.named_parameters()) for n in meta)
     return meta
+
+
+def given_plan(force) -> None:
+    """A plan made by autopar.plan for a loss function reading the model runs it exactly."""
+    model, ref, x, y = _net()
+    loss_fn, ref_loss_fn = penalized(model), penalized(ref)
+    mesh = mesh_for((2,))
+    plan = autopar.plan(model, autopar.MeshSpec.from_device_mesh(mesh), (x, y),
+                        loss_fn=loss_fn, force=force)
+    pm = autopar.parallelize(model, mesh, loss_fn=loss_fn, plan=plan, example_inputs=(x, y))
+    loss = pm.step(x, y)
+    ref_loss = ref_loss_fn(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    check_equal("gradient", pm.full_grads(), grads_of(dict(ref.named_parameters())))

@@ -24,6 +24,13 @@ def test_a_loss_reading_the_model_reads_its_live_tensors(world2, force):
     world2.run(one_model_tasks.loss_reading_the_model, (2,), force)
 
 
+@pytest.mark.parametrize("force", ["data", "tensor"])
+def test_a_plan_for_a_loss_reading_the_model_runs_it(world2, force):
+    """autopar.plan traces such a loss as parallelize does (was another graph: the plan was
+    refused as made for another model)."""
+    world2.run(one_model_tasks.given_plan, force)
+
+
 def test_an_optimizer_built_before_parallelize_is_refused(world2):
     for error in world2.run(one_model_tasks.old_optimizer, (2,), "fsdp"):
         assert "SGD.step() would step parameter a.weight" in error, error
