@@ -180,10 +180,13 @@ class Original:
         # (name, the module, "_parameters" or "_buffers", attribute, the tensor it holds)
         self._tensors: list[tuple[str, weakref.ref, str, str, torch.Tensor]] = []
         # (the tensor, weakly, its name): the model's own tensors at parallelize, by where
-        # their storage starts (export lifts a captured parameter as a detached alias of it)
+        # their storage starts (export lifts a captured parameter as a detached alias of it),
+        # but those a module also holds as a plain attribute (forward may read them so)
+        plain = {id(v) for m in model.modules() for v in vars(m).values()
+                 if isinstance(v, torch.Tensor)}
         self._own = {t.data_ptr(): (weakref.ref(t), n)
                      for n, t in [*model.named_parameters(), *model.named_buffers()]
-                     if not t.is_meta and t.numel()}
+                     if not t.is_meta and t.numel() and id(t) not in plain}
 
     def model(self) -> nn.Module | None:
         """The model, while it lives."""

@@ -463,7 +463,7 @@ class Parallelized(nn.Module):
     def _not_captured(self, program: TracedProgram) -> TracedProgram:
         """`program`, or a TraceError when it holds a tensor of the model as a constant (a
         loss function that captured one: autopar/originals.py `captured`)."""
-        error = self._original.captured(program.constants)
+        error = self._original.captured(program.constants) if program.has_target else None
         if error:
             raise TraceError(error)
         return program
