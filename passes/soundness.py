@@ -64,6 +64,7 @@ import linecache
 import os
 import random
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +102,7 @@ class SoundnessGate:
     # -- entering and leaving ------------------------------------------------------------------
 
     def __enter__(self) -> SoundnessGate:
+        self.thread = threading.get_ident()  # other threads run as they would
         hooks = torch.nn.modules.module
         self._undo = [
             hooks.register_module_forward_pre_hook(self._pre).remove,
@@ -124,7 +126,7 @@ class SoundnessGate:
 
     def _pre(self, module: nn.Module, args) -> None:
         path = self.paths.get(id(module))
-        if path is None:
+        if path is None or threading.get_ident() != self.thread:
             return
         if not self.stack:  # the root's forward begins
             self.globals_before = forward_values(self.classes)
@@ -134,16 +136,17 @@ class SoundnessGate:
                            if id(module) in self.drawing else None)
 
     def _post(self, module: nn.Module, args, output) -> None:
-        if self.paths.get(id(module)) is None or not self.stack:
+        if self.paths.get(id(module)) is None or not self._tracing():
             return
         before = self.states.pop()
         for (label, g), old in zip(self.generators, before or ()):
             if _state(g) != old:
-                code = type(module).forward.__code__
+                code = getattr(type(module).forward, "__code__", None)
+                at = f" (its forward at {code.co_filename}:{code.co_firstlineno})" if code \
+                    else ""
                 self.refuse(
                     f"forward draws a Python random number from {label} in "
-                    f"{self._where(line=False)} (its forward at {code.co_filename}:"
-                    f"{code.co_firstlineno}): the trace "
+                    f"{self._where(line=False)}{at}: the trace "
                     "keeps the value drawn while tracing as a constant, so every step would "
                     "reuse that one draw. Draw with torch ops on tensors (torch.rand, "
                     "torch.bernoulli, torch.distributions...sample()) so that the draw is part "
@@ -157,15 +160,19 @@ class SoundnessGate:
                 "forward reseeds torch's random generator (torch.manual_seed or "
                 "torch.seed): the traced program would never reseed it. Seed in the training "
                 "loop, before step()")
-        writes = changed(self.globals_before, forward_values(self.classes))
+        writes = _global_writes(self.globals_before, forward_values(self.classes))
         if writes:
             self.refuse(
                 "forward changed global Python state during tracing:\n  " +
-                "\n  ".join(f"global {w}" for w in writes[:5]) +
+                "\n  ".join(writes[:5]) +
                 "\nautopar runs the traced graph, which does not repeat Python side effects: "
                 "the change happened once, while tracing. Keep counters, logs and caches out "
                 "of forward (in the training loop), or compute the value with tensor ops and "
                 "return it from forward")
+
+    def _tracing(self) -> bool:
+        """Whether the root's forward is running, in the thread that exports it."""
+        return bool(self.stack) and threading.get_ident() == self.thread
 
     def _where(self, line: bool = True) -> str:
         """The module running now ("module model.fc (Linear)"; "the loss function" for the
@@ -183,7 +190,7 @@ class SoundnessGate:
     # -- what forward does to autograd ----------------------------------------------------------
 
     def _apply(self, cls, *args, **kwargs):
-        if self.stack and not (cls.__module__ or "").startswith("torch."):
+        if self._tracing() and not (cls.__module__ or "").startswith("torch."):
             self.refuse(
                 f"forward calls the custom autograd.Function {cls.__qualname__} in "
                 f"{self._where()}: the trace inlines its forward and lets autograd "
@@ -197,7 +204,7 @@ class SoundnessGate:
 
         def hook(tensor, fn, *args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if self.stack and not caller.startswith(TORCH_DIR):
+            if self._tracing() and not caller.startswith(TORCH_DIR):
                 self.refuse(
                     f"forward registers a gradient hook (Tensor.{name}) in {self._where()}: "
                     "the traced program keeps no hooks, so it would never run. Transform the "
@@ -207,7 +214,7 @@ class SoundnessGate:
         return hook
 
     def _backward(self) -> None:
-        if self.stack:
+        if self._tracing():
             self.refuse(
                 f"forward runs a backward pass (torch.autograd.grad or .backward()) in "
                 f"{self._where()}: the trace runs it once on fake tensors and keeps no "
@@ -257,6 +264,16 @@ def user_line() -> str:
             return f"{name}:{f.f_lineno}: {code}"
         f = f.f_back
     return ""
+
+
+def _global_writes(before, after) -> list[str]:
+    """What changed between two `forward_values` fingerprints, one line per global."""
+    now = dict(after)
+    out = [f"global {line}" for line in changed(before, tuple(
+        (label, value) for label, value in after if label in dict(before)))]
+    out += [f"global {label} was {value[0] if len(value) == 1 else value!r}, and is now a "
+            "value of another kind" for label, value in before if label not in now]
+    return out
 
 
 def _node_line(node) -> str:

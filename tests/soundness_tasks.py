@@ -4,7 +4,9 @@ tasks the gloo ranks run with them (module level, so that ranks import them)."""
 from __future__ import annotations
 
 import copy
+import queue
 import random
+import threading
 
 import numpy as np
 import torch
@@ -186,6 +188,29 @@ class GradientPenalty(nn.Module):
             return h
         (g,) = grad(h.pow(2).sum(), self.fc.weight, create_graph=True)
         return h + g.pow(2).sum()
+
+
+THREAD_GRADS: queue.Queue = queue.Queue()  # what BackwardInAnotherThread's thread computed
+
+
+class BackwardInAnotherThread(nn.Module):
+    """Forward waits for another thread that runs a backward pass of its own (the gate
+    refuses only the tracing thread's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x):
+        def train():
+            w = torch.ones(3, requires_grad=True)
+            (w * 2).sum().backward()
+            THREAD_GRADS.put(w.grad)
+
+        worker = threading.Thread(target=train)
+        worker.start()
+        worker.join()
+        return self.fc(x)
 
 
 # -- global state written in forward (refused) -------------------------------------------------

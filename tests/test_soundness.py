@@ -114,6 +114,11 @@ def test_backward_in_forward_is_refused():
     _refused(m.GradientPenalty(backward=True), "backward pass", ".backward(retain_graph=True)")
 
 
+def test_backward_in_another_thread_is_left_alone():
+    _trace(m.BackwardInAnotherThread())
+    assert m.THREAD_GRADS.get_nowait().tolist() == [2.0, 2.0, 2.0]
+
+
 # -- global state -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("log", [False, True], ids=["counter", "list"])
