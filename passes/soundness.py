@@ -32,8 +32,9 @@ model runs it (its module and source line) and what to do instead. The verdicts:
   or a global): REFUSED (torch.export lifts it as an object autopar cannot run, and could not
   keep its draws in step with one device's). Draw from torch's default generator (autopar
   draws each rank's block of what one device draws).
-- a global value written in forward (a module-level counter, a list appended to, a plain
-  value the forward of a module class or a function it calls reads and rebinds): REFUSED,
+- a global value written in forward or the loss function (a module-level counter, a list
+  appended to, a plain value the forward of a module class, the loss function or a function
+  they call reads and rebinds: what passes/trace_values.py fingerprints): REFUSED,
   naming the global; the graph never repeats the write. Keep such state out of forward.
   (Attributes of the model's modules: passes/side_effects.py.)
 
@@ -73,7 +74,7 @@ import torch.nn as nn
 from torch.export.graph_signature import InputKind
 
 from .torch_compat import TORCH_DIR, watch_backward_runs
-from .trace_values import changed, forward_classes, forward_values
+from .trace_values import changed, forward_classes, forward_values, loss_values
 
 # frames of the gate itself, skipped when finding the model's line
 _HERE = {os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
@@ -97,6 +98,8 @@ class SoundnessGate:
         self.states: list[list] = []  # generator states at each running forward's start
         self.generators = _python_generators(root)
         self.classes = forward_classes(root)
+        # the loss function the tracing wrapper calls (passes/trace.py `_Step.loss_fn`)
+        self.loss_fn = getattr(root, "loss_fn", None)
         self._undo: list[Callable[[], None]] = []
 
     # -- entering and leaving ------------------------------------------------------------------
@@ -129,7 +132,7 @@ class SoundnessGate:
         if path is None or threading.get_ident() != self.thread:
             return
         if not self.stack:  # the root's forward begins
-            self.globals_before = forward_values(self.classes)
+            self.globals_before = self._globals()
             self.seed = torch.initial_seed()
         self.stack.append(path)
         self.states.append([_state(g) for _, g in self.generators]
@@ -160,7 +163,7 @@ class SoundnessGate:
                 "forward reseeds torch's random generator (torch.manual_seed or "
                 "torch.seed): the traced program would never reseed it. Seed in the training "
                 "loop, before step()")
-        writes = _global_writes(self.globals_before, forward_values(self.classes))
+        writes = _global_writes(self.globals_before, self._globals())
         if writes:
             self.refuse(
                 "forward changed global Python state during tracing:\n  " +
@@ -169,6 +172,12 @@ class SoundnessGate:
                 "the change happened once, while tracing. Keep counters, logs and caches out "
                 "of forward (in the training loop), or compute the value with tensor ops and "
                 "return it from forward")
+
+    def _globals(self):
+        """The plain values forward and the loss function read besides the modules'
+        attributes (passes/trace_values.py), as they are now."""
+        read = forward_values(self.classes)
+        return read if self.loss_fn is None else read + loss_values(self.loss_fn)
 
     def _tracing(self) -> bool:
         """Whether the root's forward is running, in the thread that exports it."""

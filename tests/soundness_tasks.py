@@ -234,6 +234,12 @@ class CountsGlobally(nn.Module):
         return self.fc(x)
 
 
+def counting_loss(out, target):
+    global CALLS
+    CALLS += 1
+    return F.cross_entropy(out, target)
+
+
 # -- captured (exact) --------------------------------------------------------------------------
 
 

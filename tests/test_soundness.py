@@ -128,6 +128,12 @@ def test_global_written_in_forward_is_refused(log):
              "does not repeat Python side effects")
 
 
+def test_global_written_in_the_loss_function_is_refused():
+    with pytest.raises(TraceError, match="global tests.soundness_tasks.CALLS"):
+        trace(m.NoGradRegion(), (torch.randn(8, 16),), m.counting_loss,
+              torch.randint(0, 8, (8,)))
+
+
 # -- captured, or refused before -------------------------------------------------------------
 
 def test_no_grad_region_traces_detached():
