@@ -8,11 +8,13 @@ beside the watch on the model's attributes, passes/side_effects.py) and refuses 
 construct by calling `refuse(why)` (which raises TraceError), naming the construct, where the
 model runs it (its module and source line) and what to do instead. The verdicts:
 
-- a custom `torch.autograd.Function` (a straight-through estimator, gradient reversal):
-  REFUSED. The trace inlines its `forward` and autograd differentiates that; its `backward` is
-  never run. Register the op with `torch.library.custom_op` and `register_autograd` (with
-  `register_fake`): the graph keeps the op and its backward, and autopar runs both exactly.
-  torch's own Functions (`__module__` under `torch.`: custom_op's, checkpoint's) are allowed.
+- a custom `torch.autograd.Function` (a straight-through estimator, gradient reversal, Bloom's
+  GeLU): CAPTURED as one op of the graph that runs its own forward and backward
+  (passes/function_op.py); REFUSED where it cannot be (a class defined inside a function,
+  arguments that do not pickle, outputs other than tensors): the trace would inline its
+  `forward`, autograd would differentiate that, and its `backward` would never run.
+  torch's own Functions (`__module__` under `torch.`: custom_op's, checkpoint's) run as they
+  are.
 - a gradient hook registered on a tensor in forward (`Tensor.register_hook`,
   `register_post_accumulate_grad_hook`): REFUSED; the graph keeps no hooks. Transform the
   gradients after `step()` returns.
@@ -73,6 +75,8 @@ import torch
 import torch.nn as nn
 from torch.export.graph_signature import InputKind
 
+from .function_op import call as call_function_op
+from .function_op import capturable
 from .torch_compat import TORCH_DIR, watch_backward_runs
 from .trace_values import changed, forward_classes, forward_values, loss_values
 
@@ -200,12 +204,15 @@ class SoundnessGate:
 
     def _apply(self, cls, *args, **kwargs):
         if self._tracing() and not (cls.__module__ or "").startswith("torch."):
+            why = capturable(cls, args, kwargs)
+            if not why:
+                return call_function_op(cls, args)
             self.refuse(
                 f"forward calls the custom autograd.Function {cls.__qualname__} in "
-                f"{self._where()}: the trace inlines its forward and lets autograd "
-                "differentiate it, so its backward would never run. Register the op with "
-                "torch.library.custom_op, with register_fake and register_autograd (its "
-                "backward), which autopar runs exactly")
+                f"{self._where()}, which autopar cannot keep as one op: {why}. Traced as it "
+                "is, its forward would be inlined and differentiated by autograd, so its "
+                "backward would never run. Or register the op with torch.library.custom_op, "
+                "with register_fake and register_autograd (its backward)")
         return _ORIGINAL_APPLY(cls, *args, **kwargs)
 
     def _hook(self, name: str):

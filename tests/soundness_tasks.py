@@ -44,7 +44,7 @@ class CustomOpSTE(nn.Module):
         return self.fc2(quantize_ste(torch.tanh(self.fc1(x))))
 
 
-# -- the same estimator as a custom autograd.Function (refused) --------------------------------
+# -- the same estimator as a custom autograd.Function (kept as one op, its backward run) -------
 
 
 class STE(torch.autograd.Function):
@@ -79,10 +79,60 @@ class _Reverse(torch.autograd.Function):
 class GradientReversal(nn.Module):
     def __init__(self):
         super().__init__()
-        self.head = nn.Linear(16, 8)
+        self.fc, self.head = nn.Linear(16, 16), nn.Linear(16, 8)
 
     def forward(self, x):
-        return self.head(_Reverse.apply(x))
+        return self.head(_Reverse.apply(self.fc(x)))
+
+
+class _ScaledGrad(torch.autograd.Function):
+    """Forward keeps what backward needs on its context: a saved tensor, an attribute, and a
+    non-tensor argument; two outputs."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        return x * 2, torch.sin(x)
+
+    @staticmethod
+    def backward(ctx, g_double, g_sin):
+        x, = ctx.saved_tensors
+        return ctx.scale * g_double + torch.cos(x) * g_sin, None
+
+
+class SavedContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        a, b = _ScaledGrad.apply(self.fc1(x), 0.25)
+        return self.fc2(a + b)
+
+
+def _local_function_model() -> nn.Module:
+    class Local(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return torch.round(x * 4) / 4
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class LocalSTE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 8)
+
+        def forward(self, x):
+            return Local.apply(self.fc(x))
+
+    return LocalSTE()
+
+
+LocalFunction = _local_function_model
 
 
 # -- Python randomness (refused) ---------------------------------------------------------------
@@ -277,11 +327,13 @@ def _batch():
     return torch.randn(8, 16), torch.randint(0, 8, (8,))
 
 
-def custom_op_trains_exactly(force: str) -> None:
-    """The custom_op straight-through estimator under plan `force` trains as one device
-    (float64: loss, gradients, parameters after 3 steps, inference output)."""
+def custom_op_trains_exactly(force: str, kind: str = "custom_op") -> None:
+    """The custom_op straight-through estimator (or a custom autograd.Function: `kind`)
+    under plan `force` trains as one device (float64: loss, gradients, parameters after 3
+    steps, inference output)."""
     x, y = _batch()
-    model = CustomOpSTE().double()
+    model = {"custom_op": CustomOpSTE, "function": FunctionSTE, "reversal": GradientReversal,
+             "context": SavedContext}[kind]().double()
     x = x.double()
     ref = copy.deepcopy(model)
     pm = autopar.parallelize(model, mesh_for((2,)), loss_fn=F.cross_entropy,
@@ -293,7 +345,7 @@ def refused_at_step(kind: str) -> str:
     """parallelize (no example: traced at the first step) then step: the "Type: message" of
     what this rank raised."""
     x, y = _batch()
-    model = {"function": FunctionSTE, "layer_drop": LayerDrop}[kind]()
+    model = {"function": LocalFunction, "layer_drop": LayerDrop}[kind]()
     try:
         pm = autopar.parallelize(model, mesh_for((2,)), loss_fn=F.cross_entropy)
         pm.step(x, y)

@@ -27,14 +27,38 @@ def _refused(model, *words):
 
 # -- custom autograd.Function -----------------------------------------------------------------
 
-def test_autograd_function_is_refused():
-    _refused(m.FunctionSTE(), "custom autograd.Function STE", "module model (FunctionSTE)",
-             "STE.apply(", "soundness_tasks.py", "backward would never run",
+@pytest.mark.parametrize("model", [m.FunctionSTE, m.GradientReversal, m.SavedContext],
+                         ids=["ste", "reversal", "context"])
+def test_autograd_function_is_kept_as_one_op(model):
+    program = _trace(model())
+    ops = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert "autopar.autograd_function.default" in ops, ops
+    assert "aten.round.default" not in ops  # the forward is not inlined
+
+
+def test_autograd_function_runs_its_own_backward_on_one_device():
+    """The traced program's gradient is the Function's backward's, not autograd's of its
+    forward (a straight-through estimator: the identity, where round's would be zero)."""
+    torch.manual_seed(0)
+    model = m.FunctionSTE().double()
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 8, (8,))
+    program = trace(model, (x,), F.cross_entropy, y)
+    params = dict(model.named_parameters())
+    feeds = [params[program.params[n.name]] if n.name in program.params
+             else (x if n.name == program.inputs[0] else y)
+             for n in program.graph.nodes if n.op == "placeholder"]
+    _, loss = program.graph_module(*feeds)
+    got = torch.autograd.grad(loss, list(params.values()))
+    want = torch.autograd.grad(F.cross_entropy(model(x), y), list(params.values()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert got[0].abs().sum() > 0
+
+
+def test_a_function_defined_inside_a_function_is_refused():
+    _refused(m.LocalFunction(), "custom autograd.Function", "Local", "inside a function",
+             "define it at module level", "backward would never run",
              "torch.library.custom_op", "register_autograd")
-
-
-def test_gradient_reversal_is_refused():
-    _refused(m.GradientReversal(), "autograd.Function _Reverse", "_Reverse.apply(x)")
 
 
 def test_custom_op_with_register_autograd_is_kept_as_one_op():
@@ -46,6 +70,12 @@ def test_custom_op_with_register_autograd_is_kept_as_one_op():
 @pytest.mark.parametrize("force", ["data", "tensor"])
 def test_custom_op_straight_through_trains_exactly(world2, force):
     world2.run(m.custom_op_trains_exactly, force)
+
+
+@pytest.mark.parametrize("kind,force", [("function", "data"), ("function", "tensor"),
+                                        ("reversal", "fsdp"), ("context", "tensor")])
+def test_autograd_functions_train_exactly(world2, kind, force):
+    world2.run(m.custom_op_trains_exactly, force, kind)
 
 
 # -- Python randomness ------------------------------------------------------------------------
@@ -153,7 +183,7 @@ def test_the_gate_puts_torch_back():
     apply = torch.autograd.Function.__dict__["apply"]
     hook = torch.Tensor.register_hook
     engine = torch.autograd._engine_run_backward
-    _refused(m.FunctionSTE(), "autograd.Function")
+    _refused(m.LocalFunction(), "autograd.Function")
     _refused(m.GradientPenalty(), "backward pass")
     assert torch.autograd.Function.__dict__["apply"] is apply
     assert torch.Tensor.register_hook is hook
@@ -170,7 +200,7 @@ def test_the_gate_puts_torch_back():
 @pytest.mark.parametrize("kind", ["function", "layer_drop"])
 def test_refused_on_every_rank_at_step(world2, kind):
     messages = world2.run(m.refused_at_step, kind)
-    word = {"function": "autograd.Function STE", "layer_drop": "Python's random module"}[kind]
+    word = {"function": "autograd.Function", "layer_drop": "Python's random module"}[kind]
     for msg in messages:
         assert msg.startswith("TraceError:") and word in msg, msg
     assert messages[0] == messages[1], messages
