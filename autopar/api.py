@@ -167,7 +167,7 @@ def parallelize(model: nn.Module, mesh=None, *, loss_fn=None, example_inputs=Non
         raise RuntimeError("parallelize needs torch.distributed initialized (torchrun, or "
                            "init_process_group); use autopar.plan to plan without processes")
     if mesh is None:
-        mesh = _mesh_of(plan)
+        mesh = mesh_of(plan)
     if mesh.size() != dist.get_world_size():
         raise ValueError(f"the device mesh has {mesh.size()} devices {tuple(mesh.shape)} but the "
                          f"world has {dist.get_world_size()} ranks; build the mesh over the "
@@ -196,7 +196,7 @@ def parallelize(model: nn.Module, mesh=None, *, loss_fn=None, example_inputs=Non
     return pmodel
 
 
-def _mesh_of(plan: Plan | None):
+def mesh_of(plan: Plan | None):
     """The DeviceMesh a plan names (the planner may have chosen it: autopar.Cluster), on the
     devices of the default process group's backend, its groups under the default group's
     timeout (torch gives a mesh's new groups its own default, 30 minutes)."""

@@ -28,6 +28,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from .torch_compat import shares_storage
+
 aten = torch.ops.aten
 
 
@@ -61,8 +63,12 @@ def _is_view(node: fx.Node) -> bool:
             getattr(split.target, "overloadpacket", None) in _SPLITS
     schema = getattr(node.target, "_schema", None)
     returns = schema.returns if schema is not None else []
-    return len(returns) == 1 and returns[0].alias_info is not None and \
-        written_arg(node) is None and node.target.overloadpacket not in _SPLITS
+    if len(returns) != 1 or returns[0].alias_info is None or written_arg(node) is not None \
+            or node.target.overloadpacket in _SPLITS:
+        return False
+    # ops that may alias (reshape, flatten, contiguous, to) are views only where they did
+    source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    return source is not None and shares_storage(node.meta.get("val"), source.meta.get("val"))
 
 
 def _arg(node: fx.Node, i: int, name: str, default=None):
@@ -136,7 +142,12 @@ def _written_value(graph: fx.Graph, node: fx.Node) -> fx.Node:
         if op is None:
             raise WriteError(f"{node.target} writes into a tensor the model computed and has "
                              "no out-of-place form autopar knows")
-        return _fake(_copy_meta(node, graph.call_function(op, node.args, dict(node.kwargs))))
+        value = _fake(_copy_meta(node, graph.call_function(op, node.args, dict(node.kwargs))))
+        dtype = node.args[0].meta["val"].dtype
+        if value.meta["val"].dtype != dtype:  # an in-place op keeps its tensor's dtype
+            value = _fake(_copy_meta(node, graph.call_function(
+                aten._to_copy.default, (value,), {"dtype": dtype})))
+        return value
     dest, src = node.args[0].meta["val"], node.args[1]
     if src.meta["val"].dtype != dest.dtype:
         src = _fake(_copy_meta(node, graph.call_function(aten._to_copy.default, (src,),
@@ -194,6 +205,7 @@ def functionalize_activation_writes(gm: fx.GraphModule) -> int:
     rewritten; raises WriteError (with `.node` set) for a write it cannot make functional."""
     graph = gm.graph
     order = {node: i for i, node in enumerate(graph.nodes)}
+    views = {node for node in graph.nodes if _is_view(node)}  # on the values as traced
     # a view -> (the tensor at the root of its views, the views from there, the value of
     # that root they were taken of); roots are absent
     origin: dict[fx.Node, tuple[fx.Node, list[fx.Node], fx.Node]] = {}
@@ -232,7 +244,7 @@ def functionalize_activation_writes(gm: fx.GraphModule) -> int:
         node.kwargs = fx.node.map_arg(node.kwargs, lambda a, at=node: current(a, at))
         written = written_arg(node)
         if written is None:
-            if _is_view(node):
+            if node in views:
                 viewed = _view_input(node)
                 root, chain, start = origin.get(viewed, (viewed, [], viewed))
                 origin[node] = (root, [*chain, node], start)

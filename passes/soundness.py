@@ -240,8 +240,9 @@ class SoundnessGate:
 
     # -- what shows in the export ---------------------------------------------------------------
 
-    def check(self, ep) -> None:
-        """Refuse a torch.Generator the export lifted as an input of the program."""
+    def check(self, ep, line_of: Callable[[Any], str]) -> None:
+        """Refuse a torch.Generator the export lifted as an input of the program (naming the
+        model line `line_of` a node gives)."""
         for spec in ep.graph_signature.input_specs:
             if spec.kind != InputKind.CUSTOM_OBJ:
                 continue
@@ -250,7 +251,7 @@ class SoundnessGate:
                 continue
             node = next((n for n in ep.graph.nodes if n.name == spec.arg.name), None)
             users = list(node.users) if node is not None else []
-            line = next((_node_line(u) for u in users if _node_line(u)), "")
+            line = next((line_of(u) for u in users if line_of(u)), "")
             self.refuse(
                 "forward draws random numbers from a torch.Generator of its own "
                 f"(generator=...){f' at {line}' if line else ''}: autopar draws from torch's "
@@ -290,11 +291,6 @@ def _global_writes(before, after) -> list[str]:
     out += [f"global {label} was {value[0] if len(value) == 1 else value!r}, and is now a "
             "value of another kind" for label, value in before if label not in now]
     return out
-
-
-def _node_line(node) -> str:
-    from .trace import source_line
-    return source_line(node)
 
 
 # -- Python generators -----------------------------------------------------------------------------

@@ -322,3 +322,12 @@ def watch_backward_runs(refuse):
     finally:
         for name, original in originals.items():
             setattr(autograd, name, original)
+
+
+def shares_storage(a, b) -> bool:
+    """Whether tensors `a` and `b` (fake ones included: a traced node's value) use the same
+    storage: a view of the other, where an op that may alias (reshape, contiguous, to)
+    returned its input's storage rather than a copy."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata

@@ -414,7 +414,7 @@ def _export(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack 
                 SoundnessGate(root, prefix, _refuse) as gate, \
                 watch_checkpoints(_refuse_checkpoint), innermost_stack_traces():
             ep = torch.export.export(root, args, kwargs, strict=False)
-        gate.check(ep)
+        gate.check(ep, source_line)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - rewrapped with the user's line

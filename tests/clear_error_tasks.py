@@ -106,7 +106,7 @@ def group_timeouts() -> dict:
     spans the world: the default group; tp, of one rank each: new groups)."""
     from types import SimpleNamespace
 
-    from autopar.api import _mesh_of
+    from autopar.api import mesh_of
     from autopar.passes import torch_compat
     from autopar.runtime.control import control_group
 
@@ -115,7 +115,7 @@ def group_timeouts() -> dict:
 
     n = dist.get_world_size()
     plan = SimpleNamespace(mesh=SimpleNamespace(size=n, shape=(n, 1), names=("dp", "tp")))
-    mesh = _mesh_of(plan)
+    mesh = mesh_of(plan)
     return {"default": torch_compat.default_timeout().total_seconds(),
             "control": seconds(control_group()),
             "mesh": [seconds(mesh.get_group(k)) for k in range(mesh.ndim)]}

@@ -27,11 +27,8 @@ def test_no_write_into_an_activation_is_left_in_the_program():
     assert torch.ops.aten.select_scatter.default in targets
 
 
-def test_the_traced_program_computes_what_the_model_computes():
-    torch.manual_seed(0)
-    model = write_tasks.ActivationWrites().double()
-    x = torch.randn(8, 16, dtype=torch.float64)
-    y = torch.randn(8, 16, dtype=torch.float64)
+def _program_output(model, x, y):
+    """What the traced program of `model` (with an MSE loss) returns: (output, loss)."""
     program = trace(model, (x,), F.mse_loss, y)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -47,9 +44,46 @@ def test_the_traced_program_computes_what_the_model_computes():
                          else buffers[key])
         else:
             feeds.append(x if node.name == program.inputs[0] else y)
-    out, loss = program.graph_module(*feeds)
+    return program.graph_module(*feeds)
+
+
+def test_the_traced_program_computes_what_the_model_computes():
+    torch.manual_seed(0)
+    model = write_tasks.ActivationWrites().double()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    y = torch.randn(8, 16, dtype=torch.float64)
+    out, loss = _program_output(model, x, y)
     torch.testing.assert_close(out, model(x))
     torch.testing.assert_close(loss, F.mse_loss(model(x), y))
+
+
+class _Copies(nn.Module):
+    """Writes into copies: a reshape of a transposed tensor (which copies), a dtype
+    conversion; and an in-place sum whose other operand has a wider dtype (the result keeps
+    the written tensor's dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.a(x)
+        flat = y.t().reshape(-1)  # a copy: y must not see the write
+        flat[0] = 5.0
+        z = y.to(torch.float32)
+        z.mul_(2)
+        h = self.b(x).to(torch.float32)
+        h.add_(y)  # float32 += float64 stays float32
+        return y + flat.view(16, -1).t() + z.double() + h.double()
+
+
+def test_writes_into_copies_do_not_reach_the_original():
+    torch.manual_seed(0)
+    model = _Copies().double()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    y = torch.randn(8, 16, dtype=torch.float64)
+    out, _ = _program_output(model, x, y)
+    torch.testing.assert_close(out, model(x))
 
 
 class _DetachedWrite(nn.Module):

@@ -179,13 +179,17 @@ def test_explain_gives_the_choice_and_the_alternatives(tmp_path):
         plan.explain("h.0.attn.c_atn")
 
 
-def test_planning_pauses_the_garbage_collector_and_restores_it():
+def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     import gc
     seen = []
+    export = torch.export.export
 
-    def loss(out, target):  # traced: runs while autopar plans
+    def recording_export(*args, **kwargs):  # runs while autopar plans
         seen.append(gc.isenabled())
-        return lm_loss(out, target)
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", recording_export)
+    loss = lm_loss
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
     x = torch.randint(0, 64, (4, 16))
