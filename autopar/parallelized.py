@@ -262,12 +262,20 @@ class Parallelized(nn.Module):
                 moved.append(whole)
         return None
 
-    def _microbatch_weights(self, weights: LossWeights, parts: list[list[torch.Tensor]]
-                            ) -> list[float]:
+    def _microbatch_weights(self, weights: LossWeights, parts: list[list[torch.Tensor]],
+                            reduction: str | None = None) -> list[float]:
         """The weight of each microbatch's loss in the whole batch's (passes/loss_weights.py):
         for a loss that averages the targets it counts, each microbatch's count over the
-        batch's, counted before the step (the same on every rank: the inputs agree)."""
+        batch's, counted before the step (the same on every rank: the inputs agree); for a
+        loss autopar cannot read, `reduction` (the plan's loss_reduction; the options' when
+        not given), never an assumption."""
         m = len(parts)
+        reduction = reduction or self._options.loss_reduction
+        if m > 1 and not weights.kind and reduction is None:
+            raise ValueError(
+                f"this plan accumulates gradients over {m} microbatches, but autopar cannot "
+                "read how the loss adds up the batch's samples; pass loss_reduction=\"sum\" "
+                "or \"mean\", or plan again with microbatches=1")
         if m > 1 and weights.exact():  # a plan given with accumulation (the planner refuses)
             raise ValueError(f"this plan accumulates gradients over {m} microbatches, which "
                              f"would not compute what the whole batch does: "
@@ -276,7 +284,7 @@ class Parallelized(nn.Module):
         if m > 1 and weights.kind == "targets":
             with torch.no_grad():
                 counts = [int(weights.counter(*tensors)) for tensors in parts]
-        return microbatch_weights(weights, counts, m, self._options.loss_reduction == "mean")
+        return microbatch_weights(weights, counts, m, reduction == "mean")
 
     def _split(self, args, kwargs, step) -> Call:
         try:
@@ -694,7 +702,8 @@ class Parallelized(nn.Module):
             return self._pipeline.infer(*args, key=key)
         m = self._last_plan.pipeline.microbatches
         parts = [microbatch(call, m, i).tensors for i in range(m)]
-        weights = self._microbatch_weights(self._pipeline_plans[key].loss_weights, parts)
+        weights = self._microbatch_weights(self._pipeline_plans[key].loss_weights, parts,
+                                           self._last_plan.pipeline.loss_reduction)
         return self._pipeline.step(*args, weights=weights, key=key)
 
     def _build_pipeline(self, example_inputs) -> PipelineModule:

@@ -27,6 +27,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _LOCAL = threading.local()  # the context of the forward that ran last, for setup_context
 
@@ -156,19 +157,40 @@ def autograd_function(key: str, args: str, tensors: list[torch.Tensor]
             or any(o is t for t in tensors) else o for o in outs]
 
 
+class _Draws(TorchDispatchMode):
+    """Notes whether the ops run under it draw random numbers."""
+
+    drew = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            self.drew = True
+        return func(*args, **(kwargs or {}))
+
+
 @autograd_function.register_fake
 def _fake(key: str, args: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     fn = resolve(key)
     values = _decode(args, tensors)
     ctx = FunctionContext(tuple(isinstance(v, torch.Tensor) for v in values))
-    with torch.no_grad():
+    with torch.no_grad(), _Draws() as draws:
         out = fn.forward(*values) if _has_setup_context(fn) else fn.forward(ctx, *values)
     single = isinstance(out, torch.Tensor)
     if not hasattr(_LOCAL, "single"):
         _LOCAL.single = {}
     _LOCAL.single[key] = single
     _LOCAL.ctx = ctx
+    _LOCAL.problem = (
+        "its forward draws random numbers (one device's draws could not be kept in step)"
+        if draws.drew else
+        "its forward writes into an input (ctx.mark_dirty)" if ctx.dirty else "")
     return [torch.empty_like(o) for o in ([out] if single else out)]
+
+
+def problem() -> str:
+    """Why the Function the op last traced cannot be kept as the op after all (its forward
+    draws random numbers, or writes into an input), or ""."""
+    return getattr(_LOCAL, "problem", "")
 
 
 def _has_setup_context(fn: type) -> bool:

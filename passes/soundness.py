@@ -11,7 +11,8 @@ model runs it (its module and source line) and what to do instead. The verdicts:
 - a custom `torch.autograd.Function` (a straight-through estimator, gradient reversal, Bloom's
   GeLU): CAPTURED as one op of the graph that runs its own forward and backward
   (passes/function_op.py); REFUSED where it cannot be (a class defined inside a function,
-  arguments that do not pickle, outputs other than tensors): the trace would inline its
+  arguments that do not pickle, outputs other than tensors, a forward that draws random
+  numbers or writes into its input): the trace would inline its
   `forward`, autograd would differentiate that, and its `backward` would never run.
   torch's own Functions (`__module__` under `torch.`: custom_op's, checkpoint's) run as they
   are.
@@ -28,8 +29,9 @@ model runs it (its module and source line) and what to do instead. The verdicts:
   draw is frozen in the graph: every step would reuse the first one. Draw with torch ops
   (`torch.rand(())`, `torch.distributions.Beta(...).sample()`) so that the draw is part of the
   program, or draw in the training loop and pass the value in as a tensor input.
-- reseeding torch's generator in forward (`torch.manual_seed`): REFUSED; the graph would never
-  reseed. Seed in the training loop.
+- reseeding torch's generator in forward (`torch.manual_seed`, `torch.seed`,
+  `torch.set_rng_state`, called from the model's code): REFUSED; the graph would never reseed.
+  Seed in the training loop.
 - a `torch.Generator` of the model's own (`torch.rand(..., generator=g)`, g held by a module
   or a global): REFUSED (torch.export lifts it as an object autopar cannot run, and could not
   keep its draws in step with one device's). Draw from torch's default generator (autopar
@@ -77,6 +79,7 @@ from torch.export.graph_signature import InputKind
 
 from .function_op import call as call_function_op
 from .function_op import capturable
+from .function_op import problem as function_op_problem
 from .torch_compat import TORCH_DIR, watch_backward_runs
 from .trace_values import changed, forward_classes, forward_values, loss_values
 
@@ -115,6 +118,9 @@ class SoundnessGate:
             hooks.register_module_forward_pre_hook(self._pre).remove,
             hooks.register_module_forward_hook(self._post).remove,
             _replace(torch.autograd.Function, "apply", classmethod(self._apply)),
+            *(_replace(owner, name, self._reseed(owner, name))
+              for owner in (torch, torch.random)
+              for name in ("manual_seed", "seed", "set_rng_state")),
             _replace(torch.Tensor, "register_hook", self._hook("register_hook")),
             _replace(torch.Tensor, "register_post_accumulate_grad_hook",
                      self._hook("register_post_accumulate_grad_hook")),
@@ -206,7 +212,10 @@ class SoundnessGate:
         if self._tracing() and not (cls.__module__ or "").startswith("torch."):
             why = capturable(cls, args, kwargs)
             if not why:
-                return call_function_op(cls, args)
+                out = call_function_op(cls, args)
+                why = function_op_problem()
+                if not why:
+                    return out
             self.refuse(
                 f"forward calls the custom autograd.Function {cls.__qualname__} in "
                 f"{self._where()}, which autopar cannot keep as one op: {why}. Traced as it "
@@ -228,6 +237,21 @@ class SoundnessGate:
             return original(tensor, fn, *args, **kwargs)
 
         return hook
+
+    def _reseed(self, owner, name: str):
+        original = getattr(owner, name)
+
+        def reseed(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if self._tracing() and not caller.startswith(TORCH_DIR):
+                self.refuse(
+                    f"forward reseeds torch's random generator (torch.{name}) in "
+                    f"{self._where()}: the traced program would never reseed it (every step "
+                    "would draw on from where the last left). Seed in the training loop, "
+                    "before step()")
+            return original(*args, **kwargs)
+
+        return reseed
 
     def _backward(self) -> None:
         if self._tracing():

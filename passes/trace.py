@@ -312,6 +312,8 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
             program = _program(_export(root, args, kwargs, watched, stack), root,
                                user_model, loss_fn, stack, compute_dtype)
         except _ReadsFoldedLayer:
+            if stack is None:
+                raise
             program = None  # the loss reads a layer the two-layer copy lacks
         except TraceError:
             if check is None or check.result():

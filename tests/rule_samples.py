@@ -367,6 +367,8 @@ add(aten.index_put.default, "rows_values",
     lambda g: call(g.f(6, 4), [g.i(0, 6, 3)], g.f(3, 4)))
 add(aten.index_put.default, "middle_values",
     lambda g: call(g.f(4, 6, 5), [None, g.i(0, 6, 2)], g.f(4, 2, 5)))
+add(aten.index_put.default, "mask",
+    lambda g: call(g.f(4, 6, 5), [g.b(4, 6)], g.scalar()))
 add(aten.index_put.default, "accumulate",
     lambda g: call(g.f(4, 6), [None, g.i(0, 6, 3)], g.f(3), True))
 add(aten.fill.Scalar, "value", lambda g: call(g.f(4, 6), -1.5))

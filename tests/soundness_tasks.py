@@ -135,6 +135,43 @@ def _local_function_model() -> nn.Module:
 LocalFunction = _local_function_model
 
 
+class _NoisySTE(torch.autograd.Function):
+    """A stochastic straight-through estimator: its forward draws."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.bernoulli(torch.sigmoid(x))
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Doubles(torch.autograd.Function):
+    """Writes into its input (mark_dirty)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.mul_(2)
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+class FunctionThat(nn.Module):
+    """Calls a Function that cannot be kept as one op: one that draws, or writes its input."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.fn = {"draws": _NoisySTE, "dirty": _Doubles}[kind]
+
+    def forward(self, x):
+        return self.fc2(self.fn.apply(self.fc1(x) * 1.0))
+
+
 # -- Python randomness (refused) ---------------------------------------------------------------
 
 
@@ -195,12 +232,21 @@ class TorchGenerator(nn.Module):
 
 
 class Reseeds(nn.Module):
-    def __init__(self):
+    """Reseeds torch's generator in forward: to 1234, to the seed the loop set (the same
+    initial seed: only the call shows it), or by restoring a saved state."""
+
+    def __init__(self, how: str = "manual_seed"):
         super().__init__()
         self.fc = nn.Linear(16, 8)
+        self.how = how
 
     def forward(self, x):
-        torch.manual_seed(1234)
+        if self.how == "manual_seed":
+            torch.manual_seed(1234)
+        elif self.how == "same_seed":
+            torch.manual_seed(torch.initial_seed())
+        else:
+            torch.set_rng_state(torch.get_rng_state())
         return F.dropout(self.fc(x), 0.5)
 
 

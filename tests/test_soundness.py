@@ -55,6 +55,12 @@ def test_autograd_function_runs_its_own_backward_on_one_device():
     assert got[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("kind,word", [("draws", "draws random numbers"),
+                                       ("dirty", "writes into an input")])
+def test_a_function_that_draws_or_writes_its_input_is_refused(kind, word):
+    _refused(m.FunctionThat(kind), "custom autograd.Function", word)
+
+
 def test_a_function_defined_inside_a_function_is_refused():
     _refused(m.LocalFunction(), "custom autograd.Function", "Local", "inside a function",
              "define it at module level", "backward would never run",
@@ -112,8 +118,11 @@ def test_torch_generator_passed_in_is_refused():
         trace(m.TorchGenerator(), (torch.randn(8, 16),), kwargs={"gen": torch.Generator()})
 
 
-def test_reseeding_in_forward_is_refused():
-    _refused(m.Reseeds(), "torch.manual_seed", "Seed in the training loop")
+@pytest.mark.parametrize("how,word", [("manual_seed", "torch.manual_seed"),
+                                      ("same_seed", "torch.manual_seed"),
+                                      ("set_rng_state", "torch.set_rng_state")])
+def test_reseeding_in_forward_is_refused(how, word):
+    _refused(m.Reseeds(how), word, "Seed in the training loop")
 
 
 def test_python_random_outside_forward_is_left_alone():

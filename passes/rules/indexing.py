@@ -7,6 +7,8 @@ indices (small integer tensors), not the values.
 
 from __future__ import annotations
 
+import torch
+
 from .registry import SAVES_INDICES, SAVES_NOTHING, OpCall, R, Rule1D, Shard, aten, facts, register
 
 facts(aten.index.Tensor, aten.gather.default, aten.index_select.default,
@@ -27,8 +29,10 @@ def index_put(call: OpCall) -> list[Rule1D]:
     indexed = [d for d, i in enumerate(indices) if i is not None]
     n_index = len(indexed)
     values = call.inputs[-1]
-    if indexed != list(range(indexed[0], indexed[0] + n_index)):
-        return [Rule1D(tuple(R for _ in call.inputs), R)]  # indexed dims apart: moved first
+    masks = any(t.dtype in (torch.bool, torch.uint8) for t in call.inputs[1:1 + n_index])
+    if masks or indexed != list(range(indexed[0], indexed[0] + n_index)):
+        # a mask indexes as many dimensions as it has; indexed dimensions apart move first
+        return [Rule1D(tuple(R for _ in call.inputs), R)]
     index_ndim = max(t.ndim for t in call.inputs[1:1 + n_index])
     # the shape values broadcast to: x[indices]
     target = (*x.shape[:indexed[0]], *([None] * index_ndim), *x.shape[indexed[-1] + 1:])
