@@ -135,16 +135,25 @@ def autograd_function(key: str, args: str, tensors: list[torch.Tensor]
                       ) -> list[torch.Tensor]:
     """Run the Function `key` names on its arguments: its forward's outputs (fresh tensors:
     an output that is one of its inputs or a view of one is copied)."""
+    outs = _forward(key, args, tensors)
+    inputs = {t.untyped_storage().data_ptr() for t in tensors}
+    return [o.clone() if o.untyped_storage().data_ptr() in inputs else o for o in outs]
+
+
+def _forward(key: str, args: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs of the Function's forward on the op's arguments; its context is handed to
+    `_setup_context` (`_LOCAL.ctx`), and why it cannot be kept as the op to `problem`."""
     fn = resolve(key)
     values = _decode(args, tensors)
     ctx = FunctionContext(tuple(isinstance(v, torch.Tensor) for v in values))
-    if _has_setup_context(fn):
-        out = fn.forward(*values)
-        fn.setup_context(ctx, tuple(values), out)
-    else:
-        out = fn.forward(ctx, *values)
+    with _Draws() as draws:
+        if _has_setup_context(fn):
+            out = fn.forward(*values)
+            fn.setup_context(ctx, tuple(values), out)
+        else:
+            out = fn.forward(ctx, *values)
     single = isinstance(out, torch.Tensor)
-    outs = [out] if single else list(out)
+    outs = [out] if single else list(out) if isinstance(out, (tuple, list)) else [out]
     if not all(isinstance(o, torch.Tensor) for o in outs):
         raise TypeError(f"the autograd.Function {key} returned {type(out).__name__} holding "
                         "other values than tensors; autopar keeps Functions returning tensors")
@@ -152,9 +161,11 @@ def autograd_function(key: str, args: str, tensors: list[torch.Tensor]
         _LOCAL.single = {}
     _LOCAL.single[key] = single
     _LOCAL.ctx = ctx
-    inputs = {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
-    return [o.clone() if o._is_view() or o.untyped_storage().data_ptr() in inputs
-            or any(o is t for t in tensors) else o for o in outs]
+    _LOCAL.problem = (
+        "its forward draws random numbers (one device's draws could not be kept in step)"
+        if draws.drew else
+        "its forward writes into an input (ctx.mark_dirty)" if ctx.dirty else "")
+    return outs
 
 
 class _Draws(TorchDispatchMode):
@@ -170,21 +181,9 @@ class _Draws(TorchDispatchMode):
 
 @autograd_function.register_fake
 def _fake(key: str, args: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    fn = resolve(key)
-    values = _decode(args, tensors)
-    ctx = FunctionContext(tuple(isinstance(v, torch.Tensor) for v in values))
-    with torch.no_grad(), _Draws() as draws:
-        out = fn.forward(*values) if _has_setup_context(fn) else fn.forward(ctx, *values)
-    single = isinstance(out, torch.Tensor)
-    if not hasattr(_LOCAL, "single"):
-        _LOCAL.single = {}
-    _LOCAL.single[key] = single
-    _LOCAL.ctx = ctx
-    _LOCAL.problem = (
-        "its forward draws random numbers (one device's draws could not be kept in step)"
-        if draws.drew else
-        "its forward writes into an input (ctx.mark_dirty)" if ctx.dirty else "")
-    return [torch.empty_like(o) for o in ([out] if single else out)]
+    with torch.no_grad():
+        outs = _forward(key, args, tensors)
+    return [torch.empty_like(o) for o in outs]
 
 
 def problem() -> str:
