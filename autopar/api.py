@@ -16,8 +16,9 @@ from .mesh import MeshSpec
 from .options import PlanOptions
 from .originals import release
 from .parallelized import Parallelized, PlanMismatchError, batch_size, pipeline_tracer
+from .pipeline_plan import solve_pipeline_plan
 from .plan import Plan
-from .planner import plan_round, solve_accumulated, solve_pipeline_plan, start_rounds
+from .planner import plan_round, solve_accumulated, start_rounds
 from .progress import Progress
 from .search import Cluster, search_mesh
 

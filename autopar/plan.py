@@ -18,7 +18,7 @@ from .table import mib, ms
 from .table import modules as module_table
 from .table import ops as op_table
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: each node's strategy by its id (`Plan.choice`)
 
 
 @dataclass
@@ -94,6 +94,13 @@ class PlanCost:
         return sum(self.memory.values())
 
 
+def stage_dims(ndim: int, pp: int) -> list[int]:
+    """The dimensions of a mesh of `ndim` dimensions that a pipeline stage's placements are
+    over: every one but `pp`, in order (stage mesh dimension i is mesh dimension
+    `stage_dims(ndim, pp)[i]`; none when pp is the only one)."""
+    return [k for k in range(ndim) if k != pp]
+
+
 @dataclass
 class PipelinePlan:
     """How a pipelined plan cuts the model into stages (mesh dimension "pp").
@@ -126,6 +133,15 @@ class PipelinePlan:
     @property
     def num_stages(self) -> int:
         return len(self.cuts) + 1
+
+    def stage_dims(self, ndim: int) -> list[int]:
+        """The mesh dimensions (of `ndim`) a stage's placements are over (`stage_dims`)."""
+        return stage_dims(ndim, self.mesh_dim)
+
+    def stage_coords(self, coords: tuple[int, ...]) -> tuple[int, ...]:
+        """A rank's coordinates (`coords`, on the whole mesh) on the stage mesh: on the
+        dimensions but pp, (0,) on a mesh that is pp alone (its size-1 stand-in)."""
+        return tuple(coords[k] for k in self.stage_dims(len(coords))) or (0,)
 
     def stage_blocks(self, stage: int) -> list[str]:
         """The blocks stage `stage` runs."""
@@ -190,15 +206,25 @@ class Plan:
     # parameters (model names) stored replicated whose optimizer state (stage 1), and gradient
     # (stage 2), are sharded over their data-parallel ranks: ZeRO (passes/zero.py)
     zero: dict[str, int] = field(default_factory=dict)
+    # each graph node's strategy by its id (its index among the node's candidates) and the
+    # fingerprint of those candidate lists: what the build looks up (autopar/choice.py);
+    # `strategies` says the same in placements, for people and for the hash
+    choice: dict[str, int] = field(default_factory=dict)
+    candidates: str = ""
 
     @property
     def submesh_shape(self) -> tuple[int, ...]:
         """The mesh the placements are over: the whole mesh, or without "pp" when pipelined
         (a size-1 stand-in when pp is the only dimension)."""
+        return tuple(self.mesh.shape[k] for k in self.placement_dims) or (1,)
+
+    @property
+    def placement_dims(self) -> list[int]:
+        """The mesh dimensions the placements are over, in order: every one, or all but "pp"
+        when pipelined (`stage_dims`)."""
         if self.pipeline is None:
-            return tuple(self.mesh.shape)
-        return tuple(s for k, s in enumerate(self.mesh.shape)
-                     if k != self.pipeline.mesh_dim) or (1,)
+            return list(range(self.mesh.ndim))
+        return self.pipeline.stage_dims(self.mesh.ndim)
 
     # -- identity ------------------------------------------------------------------------------
     def hash(self) -> str:
@@ -237,6 +263,8 @@ class Plan:
             "recompute": self.recompute.to_dict(),
             "resharded": sorted(self.resharded),
             "zero": dict(sorted(self.zero.items())),
+            "choice": self.choice,
+            "candidates": self.candidates,
         }
         if self.pipeline is not None:
             out["pipeline"] = asdict(self.pipeline)
@@ -259,7 +287,8 @@ class Plan:
             PlanOptions.from_dict(d.get("options", {})), d.get("accumulation", 1),
             d.get("mesh_search", []), d.get("alternatives", {}),
             Recompute.from_dict(d.get("recompute")), list(d.get("resharded", [])),
-            {k: int(v) for k, v in d.get("zero", {}).items()})
+            {k: int(v) for k, v in d.get("zero", {}).items()},
+            {k: int(v) for k, v in d["choice"].items()}, d["candidates"])
 
     def save(self, path: str) -> None:
         """Write the plan as JSON."""

@@ -38,8 +38,7 @@ def mib(b: float) -> str:
 def header(plan) -> list[str]:
     """The plan's first lines: mesh, hash, solver, options, and the placement notation."""
     names = ",".join(f"{n}={s}" for n, s in zip(plan.mesh.names, plan.mesh.shape))
-    pp = plan.pipeline.mesh_dim if plan.pipeline is not None else None
-    dims = ", ".join(n for k, n in enumerate(plan.mesh.names) if k != pp)  # what placements cover
+    dims = ", ".join(plan.mesh.names[k] for k in plan.placement_dims)
     return [f"autopar plan  mesh ({names}) on {plan.mesh.hardware}  hash {plan.hash()}",
             f"solved by {plan.solver} in {plan.solve_time:.2f} s; options: "
             f"{plan.options.summary()}",

@@ -185,9 +185,10 @@ def run(model: str = "gpt", world_size: int = 4, rounds: int = 5, steps: int = 3
 
 def reprice(plan, model, example, loss_fn, op_times: dict):
     """The cost of the same plan with measured op times in place of the roofline."""
+    from autopar.choice import choice_from_plan
+    from autopar.describe import describe
     from autopar.passes import strategies
     from autopar.passes.trace import trace_example
-    from autopar.planner import choice_from_plan, describe
     from autopar.solver.cost import CostModel
     program = trace_example(model, example, loss_fn)
     graph = strategies.build(program, plan.mesh.shape)

@@ -12,11 +12,12 @@ import torch.nn as nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
 import autopar
+from autopar.choice import choice_from_plan
 from autopar.passes import strategies
 from autopar.passes.pipeline_split import layer_blocks, split_stages
 from autopar.passes.rewrite import rewrite
 from autopar.passes.trace import trace
-from autopar.planner import choice_from_plan
+from autopar.solver import stage_pricing as sp
 from autopar.solver import stages as st
 from autopar.solver.stages import Block, StageError
 from autopar.zoo import hf_llama, lm_loss
@@ -329,9 +330,8 @@ def test_pipelined_plan_describes_stages():
 def test_a_stages_fsdp_gathers_hide_under_its_compute_on_gpus():
     """On H100s each stage's prefetched FSDP gathers hide under its forward, and their
     gradients' reduce-scatters under its backward, each microbatch, but for one bucket's
-    share: priced so per stage (`stages.price` against the same stage with gathers on the
+    share: priced so per stage (`stage_pricing.price` against the same stage with gathers on the
     critical path) and in the plan's step. On gloo (no overlap) nothing hides."""
-    from autopar.planner import choice_from_plan
     from autopar.solver.cost import CostModel
 
     with torch.device("meta"):
@@ -353,12 +353,12 @@ def test_a_stages_fsdp_gathers_hide_under_its_compute_on_gpus():
     graph = strategies.build(program, (4,))
     choice = choice_from_plan(plan, graph)
     stage_of = layer_blocks(program, graph).stage_of(plan.pipeline.cuts, 2)
-    sub = st.subgraph(graph, [n for n in graph.nodes if stage_of.get(n) == 1], choice)
+    sub = sp.subgraph(graph, [n for n in graph.nodes if stage_of.get(n) == 1], choice)
     picked = {n: choice.get(n, v.strategies[0]) for n, v in sub.nodes.items()}
     cost = CostModel(spec.without(0), graph=graph, precision="bf16-mixed", bucket_bytes=2**20)
     serial = dataclasses.replace(spec.profile, overlap=False)  # the same H100, nothing hides
-    alone = st.price(sub, cost.copy(mesh=autopar.MeshSpec((4,), hardware=serial)), picked)
-    bucketed = st.price(sub, cost, picked)
+    alone = sp.price(sub, cost.copy(mesh=autopar.MeshSpec((4,), hardware=serial)), picked)
+    bucketed = sp.price(sub, cost, picked)
     assert bucketed.hidden and not alone.hidden
     assert bucketed.time == pytest.approx(bucketed.compute + sum(
         bucketed.communication.values()) - sum(bucketed.hidden.values()))
@@ -400,7 +400,7 @@ def test_three_dimensional_mesh_plans_each_stage_on_dp_by_tp():
 
 def test_identical_stages_are_solved_once(monkeypatch):
     calls = []
-    real = st.solve
+    real = sp.solve
 
     def counting(graph, *args, **kwargs):
         calls.append(len(graph.nodes))
@@ -410,7 +410,7 @@ def test_identical_stages_are_solved_once(monkeypatch):
     model = ResidualMLP(16, 8)
     x = torch.randn(8, 4, 16)
     spec = autopar.MeshSpec((4,), names=("pp",), hardware="h100")
-    monkeypatch.setattr(st, "solve", counting)
+    monkeypatch.setattr(sp, "solve", counting)
     plan = autopar.plan(model, spec, (x, x), loss_fn=nn.functional.mse_loss, microbatches=4,
                         schedule="1f1b")
     assert plan.pipeline.cuts == [2, 4, 6]

@@ -160,7 +160,7 @@ def test_every_emitted_node_records_what_it_is(name, mesh):
     those the node computes (run with collectives of the right shapes), whose collective is the
     one called, on the mesh dimension called; the training program's collectives are the
     plan's forward collectives, kind and mesh dimension."""
-    from autopar.planner import describe
+    from autopar.describe import describe
 
     model, loss_fn, (x, y) = rank_tasks.build(name)
     program = trace(model, (x,), loss_fn, y)

@@ -1,0 +1,317 @@
+"""Pipelined plans: the first chapter of the pipeline, planning a model over a mesh with a "pp"
+dimension.
+
+`solve_pipeline_plan` reads as its steps: trace the model at a microbatch, check that
+microbatches add up to the whole batch (`microbatch_problem`), coarsen the graph into layer
+blocks (`planned_blocks`), price every block on the stage mesh (the mesh's dimensions but pp:
+autopar/plan.py `stage_dims`) and cut the chain of blocks into stages for the fastest schedule
+(solver/stages.py), solve each stage's intra-op ILP with its inputs where the stage before
+produced them (solver/stage_pricing.py), and describe and price the result (a Plan with its
+PipelinePlan).
+
+The story goes on in:
+- cutting: passes/pipeline_split.py `split_stages`, a rank's rewritten program cut into one
+  FX program per stage;
+- building: autopar/pipeline.py, a rank's stages built from the plan (it checks the model
+  against the plan with this module's `check_microbatches` and `planned_blocks`);
+- running: runtime/pipeline.py, the stages run under the plan's schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+
+from autopar.passes import strategies as strat_pass
+from autopar.passes.batch_local import split_problem
+from autopar.passes.pipeline_split import LayerBlocks, layer_blocks
+from autopar.passes.strategies import OP, Strategy, StrategyGraph
+from autopar.passes.styles import allowed_strategies
+from autopar.passes.trace import TracedProgram
+from autopar.solver.cost import CostModel
+from autopar.solver.ilp import NoFeasiblePlan, random_choice
+from autopar.solver.stage_pricing import (
+    activation_scaled,
+    price_blocks,
+    price_pipeline,
+    solve_subgraph,
+    stage_budget,
+    subgraph,
+)
+from autopar.solver.stages import (
+    StageError,
+    StageSolution,
+    bubble_fraction,
+    choose,
+    divisors,
+    in_flight,
+)
+
+from .choice import kept_storage
+from .collector import planning
+from .costing import cost_model, measured, profiler
+from .describe import describe
+from .force import stage_styles
+from .mesh import MeshSpec
+from .options import PlanOptions
+from .plan import Collective, PipelinePlan, Plan, PlanCost, stage_dims
+
+
+# -- the checks the planner and the build share ---------------------------------------------------
+
+def microbatch_problem(trace_at, microbatches: int, loss_reduction: str | None) -> str:
+    """Why a pipeline schedule running the batch as `microbatches` microbatches would not
+    compute what the whole batch does, or "" (passes/batch_local.py `split_problem` of the
+    model traced at the whole batch, `trace_at(1)`)."""
+    return split_problem(trace_at(1), microbatches, loss_reduction=loss_reduction)
+
+
+def check_microbatches(trace_at, microbatches: int, loss_reduction: str | None) -> None:
+    """ValueError saying what to change when the batch run as `microbatches` microbatches
+    would not compute what the whole batch does (`microbatch_problem`)."""
+    why = microbatch_problem(trace_at, microbatches, loss_reduction)
+    if why:
+        raise ValueError(f"microbatches={microbatches}: a pipeline schedule would not compute "
+                         f"what the whole batch does: {why}. Pass microbatches=1, or plan "
+                         "without a pp mesh dimension")
+
+
+def planned_blocks(program: TracedProgram, graph: StrategyGraph,
+                   planned: list[str] | None = None, where: str = "", advice: str = ""
+                   ) -> LayerBlocks:
+    """The layer blocks of `program` (`graph` its strategy graph; passes/pipeline_split.py
+    `layer_blocks`), and with `planned` (a plan's blocks, or a trace's before) a ValueError
+    when they differ, saying `where` the model traced otherwise and `advice`."""
+    blocks = layer_blocks(program, graph)
+    if planned is not None and blocks.names != planned:
+        raise ValueError(f"the model traces into other layer blocks {where} "
+                         f"({blocks.names} vs {planned}){advice}")
+    return blocks
+
+
+# -- planning ---------------------------------------------------------------------------------
+
+@dataclass
+class _Setting:
+    """What every step of `solve_pipeline_plan` reads: the mesh, its pp dimension and size,
+    the stage mesh, the options, the ILP backend, the memory budget per device, the pp link,
+    the forced styles on the stage mesh and the op profiler (None: roofline times)."""
+
+    mesh: MeshSpec
+    pp: int
+    p: int
+    sub: MeshSpec
+    options: PlanOptions
+    backend: str
+    budget: float
+    link: object
+    styles: dict[int, str]
+    profile: object
+
+
+@dataclass
+class _Cut:
+    """The model cut into stages: the program traced at the microbatch, its strategy graph
+    and cost model (over the step's microbatches), its layer blocks and the stage solution."""
+
+    program: TracedProgram
+    graph: StrategyGraph
+    cost: CostModel
+    blocks: LayerBlocks
+    best: StageSolution
+
+
+@planning
+def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
+                        options: PlanOptions | None = None, running: Plan | None = None
+                        ) -> Plan:
+    """Plan a model over a mesh with a "pp" dimension: cut it into pipeline stages
+    (solver/stages.py), then solve each stage's intra-op ILP on the other dimensions, identical
+    stages once, each stage's inputs fixed to the placements the previous stage produces.
+
+    `trace_at(m)` returns the model traced at the microbatch size `batch // m`. Without
+    `options.microbatches` the model is first traced at the whole batch to choose it.
+
+    With `running`, the plan of a pipelined model already running, the model (traced in other
+    modules' modes, eval between training steps, or at another batch size) is planned on
+    `running`'s stages and schedule, over `options.microbatches` (else `running`'s), its
+    parameters stored where `running` stores them.
+    """
+    options = options or PlanOptions()
+    _refuse_options(options)
+    kept = running.pipeline if running is not None else None
+    microbatches = options.microbatches
+    if kept is not None:
+        microbatches = microbatches or kept.microbatches
+    at = _setting(mesh, options, batch, microbatches)
+    start = time.perf_counter()
+    program = trace_at(microbatches or 1)
+    if not program.has_loss:
+        raise ValueError("a pipelined plan trains through step(); pass loss_fn= (pipelined "
+                         "inference alone is not supported)")
+    # A schedule runs the batch as microbatches: only where they add up to the whole batch.
+    if microbatches is not None:
+        if batch > 1 and microbatches != 1:
+            check_microbatches(trace_at, microbatches, options.loss_reduction)
+    elif batch > 1 and microbatch_problem(trace_at, 2, options.loss_reduction):
+        microbatches = 1
+    cut = _cut(trace_at, program, batch, microbatches, at, kept)
+    stages, choice, draw = _solve_stages(cut, at, running)
+    plan = _pipelined(cut, stages, choice, at, batch)
+    return dataclasses.replace(plan, solve_time=time.perf_counter() - start,
+                               solver="random" if draw else options.solver.upper())
+
+
+def _refuse_options(options: PlanOptions) -> None:
+    """ValueError for the options a pipelined plan does not support yet."""
+    if options.per_rank_inputs:
+        raise ValueError("per-rank inputs are not supported with a pp mesh dimension yet: pass "
+                         "the global batch on every rank")
+    if options.recompute not in (None, "none"):
+        raise ValueError(f"recompute={options.recompute!r} is not supported with a pp mesh "
+                         "dimension yet: pipelined plans keep their activations (more "
+                         "microbatches shrink them); drop recompute= or the pp dimension")
+
+
+def _setting(mesh: MeshSpec, options: PlanOptions, batch: int, microbatches: int | None
+             ) -> _Setting:
+    """The setting of a pipelined plan; StageError for a microbatch count that does not
+    divide the batch, ValueError for a bad `force` (both before any work)."""
+    pp = mesh.pipeline_dim
+    if microbatches is not None and (microbatches < 1 or batch % microbatches):
+        raise StageError(
+            f"the batch of {batch} does not split into {microbatches} microbatches; choose a "
+            "divisor of the batch (" + ", ".join(map(str, divisors(batch, batch))) + ")")
+    budget = options.memory_budget if options.memory_budget is not None else \
+        mesh.profile.memory * (1 - mesh.profile.memory_reserve)
+    return _Setting(mesh, pp, mesh.shape[pp], mesh.without(pp), options,
+                    "HIGHS" if options.solver == "random" else options.solver, budget,
+                    mesh.link(pp), stage_styles(mesh, pp, options.force),
+                    profiler(options.profile))
+
+
+def _stage_cost(at: _Setting, graph: StrategyGraph) -> CostModel:
+    """The cost model of `graph` on the stage mesh."""
+    # a stage's program gathers its FSDP parameters in buckets of its own, prefetched within
+    # the stage (passes/rewrite.py `stage_of`): priced beside compute, as without stages
+    return measured(cost_model(at.sub, graph, at.options), graph, at.profile)
+
+
+def _cut(trace_at, program: TracedProgram, batch: int, microbatches: int | None,
+         at: _Setting, kept: PipelinePlan | None) -> _Cut:
+    """Price the layer blocks of `program` (traced at `microbatches`, or the whole batch)
+    and cut them into stages for the fastest schedule, or as the running pipeline `kept`
+    does; traced again at the microbatch count chosen."""
+    m0 = microbatches or 1
+    graph = strat_pass.build(program, at.sub.shape)
+    cost = _stage_cost(at, graph)
+    if kept is not None:
+        blocks = planned_blocks(program, graph, kept.blocks, "in these modes")
+        best = StageSolution(kept.schedule, microbatches, kept.virtual_stages,
+                             list(kept.cuts), 0.0, [], [], [])
+    else:
+        blocks = planned_blocks(program, graph)
+        options = at.options
+        priced = price_blocks(graph, cost, blocks.of_node, blocks.names, at.link,
+                              backend=at.backend, time_limit=options.time_limit)
+        best = choose(priced, at.p, batch, batch // m0, at.budget, microbatches=microbatches,
+                      schedule=options.schedule, virtual_stages=options.virtual_stages,
+                      overlap=cost.overlap)
+    if best.microbatches != m0:
+        program = trace_at(best.microbatches)
+        graph = strat_pass.build(program, at.sub.shape)
+        cost = _stage_cost(at, graph)
+        blocks = planned_blocks(program, graph, blocks.names, "at the microbatch size")
+    # every microbatch draws the whole batch's random numbers (solver/stages.py), and adds
+    # its gradients to those of the microbatches before it
+    return _Cut(program, graph, cost.copy(accumulation=best.microbatches), blocks, best)
+
+
+def _solve_stages(cut: _Cut, at: _Setting, running: Plan | None) -> tuple[list, dict, object]:
+    """Intra-op per stage, in order: a stage's inputs keep the placements they were produced
+    in. Returns each stage's (subgraph, strategies), every node's strategy and the random
+    draw that replaced the ILP (None: solved)."""
+    program, graph, cost, best = cut.program, cut.graph, cut.cost, cut.best
+    p, m, v, options = at.p, best.microbatches, best.virtual_stages, at.options
+    stage_of = cut.blocks.stage_of(best.cuts, p * v)
+    worst = max(in_flight(best.schedule, p, m, v, r) for r in range(p))
+    scaled = activation_scaled(cost, worst)
+    rng = random.Random(options.seed)
+    draw = (lambda g: random_choice(g, cost, rng)) if options.solver == "random" else None
+    choice: dict[str, Strategy] = {}
+    cache: dict = {}
+    stages = []
+    for s in range(p * v):
+        members = [n for n in graph.nodes if stage_of.get(n) == s]
+        g = subgraph(graph, members, choice)
+        forced, discouraged = allowed_strategies(g, at.styles) if at.styles else (None, None)
+        if running is not None:  # parameters stay where the running plan stores them
+            stored = kept_storage(g, program, {n: tuple(pl) for n, pl in
+                                               running.parameters.items()}, running.zero)
+            forced = dict(forced or {})
+            for n, ks in stored.items():
+                forced[n] = sorted(set(ks) & set(forced.get(n, ks))) or ks
+        try:
+            picked = solve_subgraph(g, scaled, cache,
+                                    memory_budget=stage_budget(at.budget, v),
+                                    backend=at.backend, time_limit=options.time_limit,
+                                    forced=forced, discouraged=discouraged, draw=draw,
+                                    program=program.graph_module)
+        except NoFeasiblePlan:
+            bounds = [0, *best.cuts, len(cut.blocks.names)]
+            names = cut.blocks.names[bounds[s]:bounds[s + 1]]
+            raise NoFeasiblePlan(
+                f"pipeline stage {s} ({', '.join(names)}) fits no plan within "
+                f"{stage_budget(at.budget, v) / 2**30:.2f} GiB per device with {worst:g} "
+                "microbatches in flight; use more pp ranks or more microbatches") from None
+        inside = set(members)  # boundary copies of earlier ops carry no strategy of theirs
+        choice.update({n: st for n, st in picked.items()
+                       if n in inside or graph.nodes[n].kind != OP})
+        stages.append((g, picked))
+    for name, node in graph.nodes.items():
+        choice.setdefault(name, node.strategies[0])  # unused parameters and inputs
+    return stages, choice, draw
+
+
+def _pipelined(cut: _Cut, stages: list, choice: dict[str, Strategy], at: _Setting,
+               batch: int) -> Plan:
+    """The Plan of a pipelined model: the whole graph described on the stage mesh (its
+    collectives on the whole mesh's dimensions), each op's stage, the sends between stages,
+    and the pipeline's price."""
+    program, graph, cost, best = cut.program, cut.graph, cut.cost, cut.best
+    p, m, v, sched, pp = at.p, best.microbatches, best.virtual_stages, best.schedule, at.pp
+    stage_of = cut.blocks.stage_of(best.cuts, p * v)
+    base = describe(program, graph, at.sub, cost, choice, memory_budget=at.budget,
+                    options=at.options)
+    dims = stage_dims(at.mesh.ndim, pp)
+    ops = [dataclasses.replace(o, stage=stage_of.get(o.name, 0)) for o in base.ops]
+    collectives = [Collective(c.kind, dims[c.mesh_dim] if c.mesh_dim < len(dims) else pp,
+                              c.bytes, c.time, c.phase, c.at) for c in base.collectives]
+    priced = price_pipeline(graph, cost, stages, stage_of, choice, at.link, sched, p, m, v)
+    collectives += [Collective("p2p", pp, nbytes, t, phase, u)
+                    for u, nbytes, t, phase in priced.sends]
+    peak = max(priced.rank_memory, key=lambda d: sum(d.values()))
+    pipeline = PipelinePlan(pp, sched, m, v, batch, cut.blocks.names, best.cuts,
+                            bubble_fraction(sched, p, m, v), priced.stage_time, priced.held,
+                            priced.rank_memory, at.options.loss_reduction)
+    return dataclasses.replace(
+        base, mesh=at.mesh, ops=ops, collectives=collectives, pipeline=pipeline,
+        cost=_pipeline_cost(base.cost, priced.step, priced.compute, priced.communication,
+                            peak, best.objective, priced.hidden))
+
+
+def _pipeline_cost(whole: PlanCost, step: float, compute: float, comm: dict, memory: dict,
+                   objective: float, hidden: dict) -> PlanCost:
+    """The cost of a pipelined plan: the busiest pp rank's step (see solve_pipeline_plan),
+    `hidden` the seconds of sends it runs under compute (solver/stages.py `hides_sends`);
+    what `whole` (the whole graph priced on the submesh) says of the rest carries over, its
+    forward share of compute kept."""
+    forward = getattr(whole, "compute_forward", 0.0)
+    extra = {"compute_forward": forward * compute / whole.compute} if forward and whole.compute \
+        else {}
+    # (a stage's own collectives add to its time: only the sends between stages overlap)
+    return dataclasses.replace(whole, step_time=step, compute=compute, communication=comm,
+                               memory=dict(memory), solver_objective=objective,
+                               hidden=dict(hidden), **extra)
