@@ -263,12 +263,7 @@ def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
     level of a search) and its cost model with recomputation `recompute` (else the options'),
     parameters freed after forward (`reshard`, unless the options say) and `accumulation`
     microbatches (see solve_plan)."""
-    placed = input_placement(mesh, options)
-    key = (tuple(mesh.shape), placed)
-    if key not in program.strategy_graphs:  # the same for every level of a search
-        program.strategy_graphs.clear()  # one mesh's at a time (a mesh search tries several)
-        program.strategy_graphs[key] = strat_pass.build(program, mesh.shape, placed, zero=True)
-    graph = program.strategy_graphs[key]
+    graph = strategy_graph(program, mesh, options)
     mode = recompute or options.recompute or "none"
     keep_user = options.recompute != "none"
     r = derived(program, ("recompute", id(graph), mode, keep_user),
@@ -284,6 +279,20 @@ def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
         n for n, v in graph.nodes.items() if v.kind == PARAM)
         if frees_after_forward(options, reshard) else (), accumulation=accumulation)
     return graph, measured(cost, graph, profiler(options.profile))
+
+
+def strategy_graph(program: TracedProgram, mesh: MeshSpec, options: PlanOptions
+                   ) -> StrategyGraph:
+    """The strategy graph of `program` on `mesh` (inputs placed as the options say, ZeRO
+    candidates included): built once per program and mesh and kept in
+    `program.strategy_graphs`, for every level of a search and for a build of the plan in the
+    same process (whose ids, `Plan.choice`, index it)."""
+    placed = input_placement(mesh, options)
+    key = (tuple(mesh.shape), placed)
+    if key not in program.strategy_graphs:  # the same for every level of a search
+        program.strategy_graphs.clear()  # one mesh's at a time (a mesh search tries several)
+        program.strategy_graphs[key] = strat_pass.build(program, mesh.shape, placed, zero=True)
+    return program.strategy_graphs[key]
 
 
 def derived(program: TracedProgram, key: tuple, make):

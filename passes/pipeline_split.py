@@ -16,6 +16,9 @@ until its last use (skip connections cross any number of cuts); values computed 
 constants (positions, rotary tables, masks) are recomputed in each stage instead; user inputs
 reach every stage directly. An op writing into a buffer runs in its own stage only
 (`buffer_writes` finds them: the runtime sends the buffer's new value to the other pp ranks).
+
+In the pipeline's story this is the cutting: planned in autopar/pipeline_plan.py (which reads
+`layer_blocks`), built into a rank's stages in autopar/pipeline.py, run by runtime/pipeline.py.
 """
 
 from __future__ import annotations
@@ -148,55 +151,9 @@ def split_stages(gm: fx.GraphModule, graph: StrategyGraph, stage_of: dict[str, i
     output = next(n for n in nodes if n.op == "output")
     record = {n: emitted(n) for n in nodes if n.op != "output"}
     origin = {n: r.origin if r.role == "op" else None for n, r in record.items()}
-    # Values any stage can compute for itself: placeholders (every stage has the user inputs,
-    # its own parameter shards and the constants), what is computed from constants alone, and
-    # the resharding of placeholders (a parameter's all-gather, or its bucket's start and
-    # wait, runs in each stage using it).
-    # An op writing into a buffer (BatchNorm's num_batches_tracked += 1) runs once, in its own
-    # stage, even when it reads constants alone: recomputed where needed, it would never run.
-    writes = set(state_writes(gm))
-    const: set[fx.Node] = set()
-    for n in nodes:
-        if n.op == "placeholder":
-            const.add(n)
-        elif n.op == "call_function" and n.name not in writes:
-            ins = n.all_input_nodes
-            if origin[n] is not None:
-                if graph.nodes[origin[n]].kind == CONSTANT:
-                    const.add(n)
-            elif ins and all(i in const for i in ins):
-                const.add(n)
-
-    # The stage of every computed node: its traced node's; a getitem its tuple's; a resharding
-    # step the stage of the op it was emitted for (the next traced node).
-    stage: dict[fx.Node, int] = {}
-    pending: list[fx.Node] = []
-    for n in nodes:
-        if n.op != "call_function" or n in const:
-            continue
-        if origin[n] is not None:
-            stage[n] = stage_of[origin[n]]
-            for q in pending:
-                stage[q] = stage[n]
-            pending = []
-        elif record[n].role == "getitem" and n.args[0] in stage:
-            stage[n] = stage[n.args[0]]
-        else:
-            pending.append(n)
-    for q in pending:
-        stage[q] = num_stages - 1
-    last_use: dict[fx.Node, int] = {}
-    for n in nodes:
-        if n in stage or n is output:
-            s = stage.get(n, num_stages - 1)
-            for i in n.all_input_nodes:
-                if i in stage:
-                    if stage[i] > s:
-                        raise SplitError(f"{n.name} (stage {s}) uses {i.name} from the later "
-                                         f"stage {stage[i]}")
-                    last_use[i] = max(last_use.get(i, stage[i]), s)
-    live = [[v for v in nodes if v in stage and stage[v] <= k < last_use.get(v, -1)]
-            for k in range(num_stages - 1)]
+    const = _rebuilt(gm, nodes, origin, graph)
+    stage = _stage_of_nodes(nodes, origin, record, const, stage_of, num_stages)
+    live = _crossing(nodes, output, stage, num_stages)
 
     def meta(n: fx.Node) -> ValueMeta:
         return _value_meta(n, record[n])
@@ -242,6 +199,70 @@ def split_stages(gm: fx.GraphModule, graph: StrategyGraph, stage_of: dict[str, i
                                 [p.name for p in used["param"]],
                                 [p.name for p in used["constant"]]))
     return out
+
+
+def _rebuilt(gm: fx.GraphModule, nodes: list[fx.Node], origin: dict,
+             graph: StrategyGraph) -> set[fx.Node]:
+    """The values any stage can compute for itself: placeholders (every stage has the user
+    inputs, its own parameter shards and the constants), what is computed from constants
+    alone, and the resharding of placeholders (a parameter's all-gather, or its bucket's start
+    and wait, runs in each stage using it)."""
+    # An op writing into a buffer (BatchNorm's num_batches_tracked += 1) runs once, in its own
+    # stage, even when it reads constants alone: recomputed where needed, it would never run.
+    writes = set(state_writes(gm))
+    const: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "placeholder":
+            const.add(n)
+        elif n.op == "call_function" and n.name not in writes:
+            ins = n.all_input_nodes
+            if origin[n] is not None:
+                if graph.nodes[origin[n]].kind == CONSTANT:
+                    const.add(n)
+            elif ins and all(i in const for i in ins):
+                const.add(n)
+    return const
+
+
+def _stage_of_nodes(nodes: list[fx.Node], origin: dict, record: dict, const: set,
+                    stage_of: dict[str, int], num_stages: int) -> dict[fx.Node, int]:
+    """The stage of every computed node: its traced node's; a getitem its tuple's; a
+    resharding step the stage of the op it was emitted for (the next traced node)."""
+    stage: dict[fx.Node, int] = {}
+    pending: list[fx.Node] = []
+    for n in nodes:
+        if n.op != "call_function" or n in const:
+            continue
+        if origin[n] is not None:
+            stage[n] = stage_of[origin[n]]
+            for q in pending:
+                stage[q] = stage[n]
+            pending = []
+        elif record[n].role == "getitem" and n.args[0] in stage:
+            stage[n] = stage[n.args[0]]
+        else:
+            pending.append(n)
+    for q in pending:
+        stage[q] = num_stages - 1
+    return stage
+
+
+def _crossing(nodes: list[fx.Node], output: fx.Node, stage: dict[fx.Node, int],
+              num_stages: int) -> list[list[fx.Node]]:
+    """For each cut k (after stage k), the values it carries: computed in stage k or before
+    and used after it."""
+    last_use: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n in stage or n is output:
+            s = stage.get(n, num_stages - 1)
+            for i in n.all_input_nodes:
+                if i in stage:
+                    if stage[i] > s:
+                        raise SplitError(f"{n.name} (stage {s}) uses {i.name} from the later "
+                                         f"stage {stage[i]}")
+                    last_use[i] = max(last_use.get(i, stage[i]), s)
+    return [[v for v in nodes if v in stage and stage[v] <= k < last_use.get(v, -1)]
+            for k in range(num_stages - 1)]
 
 
 def _flat_nodes(tree) -> list[fx.Node]:
