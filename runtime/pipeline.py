@@ -164,42 +164,80 @@ def stage_parameters(programs: list[StageProgram], param_names: dict[str, str], 
     return mine, owner, shared
 
 
+@dataclass(frozen=True)
+class Stages:
+    """One traced program cut into pipeline stages, as a rank runs them: its training and
+    inference stage programs (passes/pipeline_split.py), its parameter placeholders' names,
+    its constants' tensors by placeholder (the model's buffers, shared between programs), the
+    buffer placeholders its stages write in forward with the pp rank of the stage that writes
+    each (after a call that rank sends the buffer's value to the others), the random ops it
+    draws, where its loss lives, the first stage's inputs (one microbatch's) and the number
+    of microbatches its schedule runs."""
+
+    train: list[StageProgram]
+    infer: list[StageProgram]
+    param_names: dict[str, str]
+    constants: dict[str, torch.Tensor]
+    written: dict[str, int]
+    random_ops: list[str]
+    loss_placement: object
+    roots: list[ValueMeta]
+    microbatches: int
+
+
+@dataclass(frozen=True)
+class PipelineRank:
+    """Where this rank is in the pipeline: the collectives of the mesh dimensions other than
+    pp (`comm`), the pp process group, its pp coordinate and its device."""
+
+    comm: SubmeshComm
+    pp_group: object
+    pp_coord: int
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the pipeline knows of the model it runs: the input placeholders (model
+    inputs, then the target), how many are model inputs, the outputs' pytree spec, every
+    parameter's whole shape and dtype by name, and the dtype the stage programs compute in
+    (mixed precision; None: the parameters' own)."""
+
+    input_names: list[str]
+    num_inputs: int
+    out_spec: object
+    full_meta: dict[str, tuple]
+    compute_dtype: torch.dtype | None = None
+
+
 class PipelineModule:
     """The pipelined model on one rank: `step(*inputs, target)` trains, `__call__` infers."""
 
-    def __init__(self, plan, train: list[StageProgram], infer: list[StageProgram],
-                 param_names: dict[str, str], store: ParameterStore,
-                 constants: dict[str, torch.Tensor], comm: SubmeshComm, pp_group,
-                 pp_coord: int, input_names: list[str], root_inputs: list[ValueMeta], out_spec,
-                 num_inputs: int, loss_placement, device: torch.device,
-                 full_meta: dict[str, tuple], compute_dtype: torch.dtype | None = None,
-                 written: dict[str, int] | None = None, random_ops: list[str] | None = None):
-        """`store` holds this rank's shards of the parameters its stages use (see
-        `stage_parameters`); `full_meta` the whole shape and dtype of every parameter;
-        `compute_dtype` the dtype the stage programs compute in (mixed precision); `written`
-        the buffer placeholders a stage writes in forward, with the pp rank of that stage
-        (after a call that rank sends the buffer's value to the others); `random_ops` the
-        draws the program makes."""
+    def __init__(self, plan, stages: Stages, store: ParameterStore, rank: PipelineRank,
+                 model: ModelFacts):
+        """`stages` are the plan's program (the build's) cut into stages; `store` holds this
+        rank's shards of the parameters its stages use (see `stage_parameters`)."""
         pipe = plan.pipeline
-        self._compute_dtype = compute_dtype
+        self._compute_dtype = model.compute_dtype
         self.plan = plan
         self._pipe = pipe
-        self._comm = comm
-        self._group = pp_group
+        self._comm = rank.comm
+        self._group = rank.pp_group
         self._p = plan.mesh.shape[pipe.mesh_dim]
-        self._coord = pp_coord
-        self._sub_shape = comm.shape
-        self._input_names = input_names       # placeholders: model inputs, then the target
-        self._num_inputs = num_inputs
-        self._out_spec = out_spec
-        self._device = device
+        self._coord = rank.pp_coord
+        self._sub_shape = rank.comm.shape
+        self._input_names = model.input_names  # placeholders: model inputs, then the target
+        self._num_inputs = model.num_inputs
+        self._out_spec = model.out_spec
+        self._device = rank.device
         self._store = store
         num_stages = pipe.num_stages
-        self._local = [s for s in range(num_stages) if s % self._p == pp_coord]
+        self._local = [s for s in range(num_stages) if s % self._p == rank.pp_coord]
         self._last_rank = (num_stages - 1) % self._p
-        self._full_meta = full_meta
-        _, self._owner, self._shared = stage_parameters(train + infer, param_names, self._p,
-                                                        pp_coord)
+        self._full_meta = model.full_meta
+        _, self._owner, self._shared = stage_parameters(stages.train + stages.infer,
+                                                        stages.param_names, self._p,
+                                                        rank.pp_coord)
         self._by_name = store.leaves
         # Gradients of parameters stored replicated are summed once per step, after the last
         # microbatch (summing after each would add partial sums).
@@ -216,65 +254,55 @@ class PipelineModule:
         self._count: dict[int, int] = {}
         self._end: torch.Tensor | None = None
 
-        self._root = tuple(meta.empty() for meta in root_inputs)
+        self._root = tuple(meta.empty() for meta in stages.roots)
         self._m = pipe.microbatches  # of the schedule running
         self._sink: list = []
         self._trainings: dict = {}
         self._inferences: dict = {}
-        self.add_training(None, train, param_names, constants, written, random_ops or [],
-                          loss_placement)
-        self.add_inference(None, infer, param_names, constants, written, random_ops or [])
+        self.add_training(None, stages)
+        self.add_inference(None, stages)
 
-    def add_training(self, key, train: list[StageProgram], param_names: dict[str, str],
-                     constants: dict[str, torch.Tensor], written: dict[str, int] | None,
-                     random_ops: list[str], loss_placement, microbatches: int | None = None,
-                     roots: list[ValueMeta] | None = None) -> None:
-        """Training stages for `key` (None: the program of the build; else the modules' modes
-        and input shapes of another), as `add_inference`'s, with where their loss lives
-        (`loss_placement`). `step(..., key=key)` runs them."""
-        stages, run = self._run(train, param_names, constants, written, random_ops, True,
-                                microbatches, roots)
-        run.seeding = loss_seeding(loss_placement, self._sub_shape)
+    def add_training(self, key, stages: Stages) -> None:
+        """The training stages of `stages` for `key` (None: the program of the build; else
+        the modules' modes and input shapes of another, traced in them and planned on this
+        pipeline's stages with its parameters where they are: autopar's solve_pipeline_plan
+        `running`). `step(..., key=key)` runs them."""
+        train = stages.train
+        pipeline_stages, run = self._run(train, stages, True)
+        run.seeding = loss_seeding(stages.loss_placement, self._sub_shape)
         run.loss_dtype = train[-1].sent[0].dtype
 
         def loss_fn(output, weight):  # the schedule hands each microbatch its weight's chunk
             return output * (weight.sum() * run.seeding.seed)
 
         cls = SCHEDULES[self._pipe.schedule]
-        args = stages if self._pipe.schedule == "interleaved" else stages[0]
+        args = pipeline_stages if self._pipe.schedule == "interleaved" else pipeline_stages[0]
         run.schedule = cls(args, run.microbatches, loss_fn=loss_fn, scale_grads=False)
         self._trainings[key] = run
 
-    def add_inference(self, key, infer: list[StageProgram], param_names: dict[str, str],
-                      constants: dict[str, torch.Tensor], written: dict[str, int] | None,
-                      random_ops: list[str], microbatches: int | None = None,
-                      roots: list[ValueMeta] | None = None) -> None:
-        """Inference stages for `key` (None: the program of the build; else the modules'
-        modes and input shapes of another, traced in them and planned on this pipeline's
-        stages with its parameters where they are: autopar's solve_pipeline_plan `running`):
-        `infer` their programs, `param_names` their parameter placeholders' names,
-        `constants` their constants' tensors (the model's buffers, shared with training),
-        `written` the buffers they write, as for the pipeline's own, `random_ops` the draws
-        they make, `microbatches` and `roots` (the first stage's inputs) where they differ
-        from the build's. `infer(..., key=key)` runs them."""
-        stages, run = self._run(infer, param_names, constants, written, random_ops, False,
-                                microbatches, roots)
+    def add_inference(self, key, stages: Stages) -> None:
+        """The inference stages of `stages` for `key`, as `add_training`'s, reading and
+        training the same parameters and buffers. `infer(..., key=key)` runs them."""
+        infer = stages.infer
+        pipeline_stages, run = self._run(infer, stages, False)
         run.sent = infer[-1].sent
-        run.schedule = ScheduleInterleaved1F1B(stages, run.microbatches) \
-            if self._pipe.schedule == "interleaved" else ScheduleGPipe(stages[0], run.microbatches)
+        run.schedule = ScheduleInterleaved1F1B(pipeline_stages, run.microbatches) \
+            if self._pipe.schedule == "interleaved" \
+            else ScheduleGPipe(pipeline_stages[0], run.microbatches)
         self._inferences[key] = run
 
-    def _run(self, programs: list[StageProgram], param_names, constants, written, random_ops,
-             train: bool, microbatches: int | None, roots) -> tuple[list, _Run]:
-        """This rank's `PipelineStage`s of `programs` (training or inference), and the run
-        record their schedule joins (`add_training`, `add_inference`)."""
-        by_placeholder = {ph: self._by_name[n] for ph, n in param_names.items()
+    def _run(self, programs: list[StageProgram], stages: Stages,
+             train: bool) -> tuple[list, _Run]:
+        """This rank's `PipelineStage`s of `programs` (`stages`' training or inference
+        programs), and the run record their schedule joins (`add_training`,
+        `add_inference`)."""
+        by_placeholder = {ph: self._by_name[n] for ph, n in stages.param_names.items()
                           if n in self._by_name}
-        root = tuple(meta.empty() for meta in roots) if roots is not None else self._root
-        stages = [self._stage(programs[s], by_placeholder, constants, train, len(programs),
-                              root) for s in self._local]
-        return stages, _Run(microbatches or self._pipe.microbatches,
-                            _written(constants, written), list(random_ops), _draws(programs))
+        root = tuple(meta.empty() for meta in stages.roots)
+        made = [self._stage(programs[s], by_placeholder, stages.constants, train,
+                            len(programs), root) for s in self._local]
+        return made, _Run(stages.microbatches, _written(stages.constants, stages.written),
+                          list(stages.random_ops), _draws(programs))
 
     def has(self, key, train: bool) -> bool:
         """Whether training (or inference) stages for `key` were added."""
