@@ -26,9 +26,9 @@ import torch
 import torch.nn as nn
 
 from autopar.passes import strategies as strat_pass
-from autopar.passes.batch_local import batch_dims, split_problem
+from autopar.passes.batch_local import batch_dims
 from autopar.passes.loss_weights import LossWeights, of_program
-from autopar.passes.pipeline_split import ValueMeta, buffer_writes, layer_blocks, split_stages
+from autopar.passes.pipeline_split import ValueMeta, buffer_writes, split_stages
 from autopar.passes.rewrite import rewrite
 from autopar.passes.trace import TracedProgram, TraceError, source_line, state_writes, trace
 from autopar.passes.trace_values import Fingerprint, changed
@@ -43,11 +43,12 @@ from autopar.runtime.pipeline import (
 )
 from autopar.solver.stages import StageError, schedule_problem
 
+from .choice import choice_from_plan
 from .context import BuildContext
 from .inputs import Call, check_no_input_grads, microbatch, split_call
+from .pipeline_plan import microbatch_problem, planned_blocks, solve_pipeline_plan
 from .placing import constants, place
 from .plan import Plan
-from .planner import choice_from_plan, solve_pipeline_plan
 from .programs import (
     followed,
     model_key,
@@ -294,17 +295,17 @@ class Pipeline:
         """Place the parameters this rank's stages use, stored as `plan` says on the mesh's
         other dimensions, and start the PipelineModule running the stages."""
         setting = ctx.setting
-        mesh, coords, pp = setting.mesh, setting.coords, plan.pipeline.mesh_dim
-        dims = [k for k in range(mesh.ndim) if k != pp]
+        mesh, coords, pipe = setting.mesh, setting.coords, plan.pipeline
+        pp, dims = pipe.mesh_dim, pipe.stage_dims(mesh.ndim)
         mine, _, _ = stage_parameters(cut.train + cut.infer, cut.program.params,
                                       mesh.shape[pp], coords[pp])
         submesh = mesh[tuple(mesh.mesh_dim_names[k] for k in dims)] if dims else None
         full_meta = {n: (tuple(t.shape), t.dtype) for n, t in ctx.source.named_parameters()}
         place(ctx, tree, {n: tuple(plan.parameters[n]) for n in mine}, submesh,
-              setting.spec.without(pp).shape, tuple(coords[k] for k in dims) or (0,))
+              setting.spec.without(pp).shape, pipe.stage_coords(coords))
         program = cut.program
         self.module = PipelineModule(
-            plan, cut.stages(ctx, plan.pipeline.microbatches), ctx.store,
+            plan, cut.stages(ctx, pipe.microbatches), ctx.store,
             PipelineRank(cut.comm, mesh.get_group(pp), coords[pp], setting.device),
             ModelFacts(list(program.inputs), len(program.inputs) - 1, program.out_spec,
                        full_meta, setting.compute_dtype))
@@ -383,8 +384,7 @@ def _cut(ctx: BuildContext, tracer, plan: Plan) -> _Cut:
         "matching the plan to the model", lambda: _matched(ctx, tracer, plan))
     pp = pipe.mesh_dim
     stage_of = blocks.stage_of(pipe.cuts, pipe.num_stages)
-    dims = [k for k in range(mesh.ndim) if k != pp]
-    sub_coords = tuple(setting.coords[k] for k in dims) or (0,)
+    dims = pipe.stage_dims(mesh.ndim)
     comm = SubmeshComm([mesh.get_group(k) for k in dims] or [None],
                        setting.spec.without(pp).shape)
     m = pipe.microbatches
@@ -395,7 +395,7 @@ def _cut(ctx: BuildContext, tracer, plan: Plan) -> _Cut:
         k = m if m > 1 else next((d for d in range(2, batch + 1) if batch % d == 0), 1)
         batch_of_draws = agree.on_every_rank("tracing the model",
                                              lambda: batch_dims(tracer(1), k, program))
-    programs = rewrite(program, graph, choice, sub_coords, comm,
+    programs = rewrite(program, graph, choice, pipe.stage_coords(setting.coords), comm,
                        bucket_bytes=setting.options.bucket_bytes, stage_of=stage_of,
                        microbatches=(m, batch_of_draws) if batch_of_draws else None)
     kinds = {name: v.kind for name, v in graph.nodes.items()}
@@ -417,16 +417,13 @@ def _matched(ctx: BuildContext, tracer, plan: Plan) -> tuple:
     program = not_captured(ctx, tracer(pipe.microbatches))
     graph = strat_pass.build(program, ctx.setting.spec.without(pipe.mesh_dim).shape)
     choice = choice_from_plan(plan, graph)
-    blocks = layer_blocks(program, graph)
-    why = split_problem(tracer(1), pipe.microbatches, loss_reduction=pipe.loss_reduction)
+    why = microbatch_problem(tracer, pipe.microbatches, pipe.loss_reduction)
     if why:
         raise ValueError(f"a pipeline runs the batch as {pipe.microbatches} "
                          "microbatches, which would not compute what the whole batch "
                          f"does: {why}. Plan it without a pp mesh dimension")
-    if blocks.names != pipe.blocks:
-        raise ValueError("this model traces into other layer blocks than the plan's "
-                         f"({blocks.names} vs {pipe.blocks}); re-plan with "
-                         "autopar.plan")
+    blocks = planned_blocks(program, graph, pipe.blocks, "than the plan's",
+                            "; re-plan with autopar.plan")
     return program, graph, choice, blocks
 
 

@@ -34,6 +34,7 @@ from autopar.passes.rewrite import LocalPrograms, rewrite
 from autopar.passes.trace import TracedProgram, TraceError, trace
 from autopar.runtime.module import ParallelModule
 
+from .choice import choice_from_plan
 from .context import BuildContext
 from .inputs import (
     Call,
@@ -47,7 +48,7 @@ from .inputs import (
 )
 from .placing import constants, place_parameters, rebound_buffers
 from .plan import Plan
-from .planner import choice_from_plan, input_placement, solve_accumulated
+from .planner import input_placement, solve_accumulated
 
 
 @dataclass
