@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from autopar.passes import strategies as strat_pass
 from autopar.passes.batch_local import batch_dims
 from autopar.passes.loss_weights import LossWeights, microbatch_weights, of_program
 from autopar.passes.recompute_regions import wrap_recomputed
@@ -48,7 +47,7 @@ from .inputs import (
 )
 from .placing import constants, place_parameters, rebound_buffers
 from .plan import Plan
-from .planner import input_placement, solve_accumulated
+from .planner import input_placement, solve_accumulated, strategy_graph
 
 
 @dataclass
@@ -294,9 +293,9 @@ def plan_for(ctx: BuildContext, trace_at, batch: int | None, accumulate: bool) -
 
 
 def _matched(ctx: BuildContext, program: TracedProgram, plan: Plan) -> tuple:
-    """(the program's strategy graph on the mesh, the plan's strategy of each node)."""
-    spec, options = ctx.setting.spec, ctx.setting.options
-    graph = strat_pass.build(program, spec.shape, input_placement(spec, options), zero=True)
+    """(the program's strategy graph on the mesh, the plan's strategy of each node): the
+    graph the planner built from this trace where this rank planned, else built here."""
+    graph = strategy_graph(program, ctx.setting.spec, ctx.setting.options)
     return graph, choice_from_plan(plan, graph)
 
 
