@@ -18,6 +18,8 @@ Buffers written in forward (BatchNorm's running statistics) are written by the o
 runs the op; after each call that stage's pp rank broadcasts them over the pp group, so every
 rank holds one device's buffers.
 
+A PipelineModule is made of the plan, the build's program cut into `Stages`, the store of this
+rank's shards, where the rank is (`PipelineRank`) and what it knows of the model (`ModelFacts`).
 The stages are those of the program traced in the modules' modes at the build; a model that
 computes other ops in other modes (dropout, BatchNorm) gets training and inference stages of
 its own for them (`add_training`, `add_inference`), on the same stages' cuts, schedule and
