@@ -58,7 +58,6 @@ from .mesh import MeshSpec
 from .options import PlanOptions
 from .plan import Collective, PipelinePlan, Plan, PlanCost, stage_dims
 
-
 # -- the checks the planner and the build share ---------------------------------------------------
 
 def microbatch_problem(trace_at, microbatches: int, loss_reduction: str | None) -> str:
@@ -185,7 +184,7 @@ def _setting(mesh: MeshSpec, options: PlanOptions, batch: int, microbatches: int
             f"the batch of {batch} does not split into {microbatches} microbatches; choose a "
             "divisor of the batch (" + ", ".join(map(str, divisors(batch, batch))) + ")")
     budget = options.memory_budget if options.memory_budget is not None else \
-        mesh.profile.memory * (1 - mesh.profile.memory_reserve)
+        mesh.profile.memory_budget
     return _Setting(mesh, pp, mesh.shape[pp], mesh.without(pp), options,
                     "HIGHS" if options.solver == "random" else options.solver, budget,
                     mesh.link(pp), stage_styles(mesh, pp, options.force),

@@ -112,7 +112,7 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     graph, cost = priced_level(program, mesh, options, recompute, reshard, accumulation)
     budget = options.memory_budget
     if budget is None:
-        budget = mesh.profile.memory * (1 - mesh.profile.memory_reserve)
+        budget = mesh.profile.memory_budget
     kept = kept_storage(graph, program, storage, zero)
     if options.solver == "random":
         return _drawn(program, graph, mesh, cost, kept, budget, options), graph

@@ -20,7 +20,7 @@ import torch
 
 from autopar.passes.reshard import BUCKET_BYTES, single_gather
 
-from .placement import Placements, local_shape
+from .placement import Placements
 from .strategies import PARAM, Strategy, StrategyGraph
 
 # (parameter node, placement it is used at, tensor dimension gathered)
@@ -97,13 +97,6 @@ def _shared_across_stages(graph: StrategyGraph, stage_of: dict[str, int]) -> set
             if graph.nodes[u].kind == PARAM:
                 stages.setdefault(u, set()).add(stage_of.get(v.name, 0))
     return {u for u, ks in stages.items() if len(ks) > 1}
-
-
-def use_bytes(use: Use, graph: StrategyGraph) -> int:
-    """Bytes of a parameter gathered to its use placement (in its traced dtype)."""
-    v = graph.nodes[use[0]]
-    return math.prod(local_shape(v.out_shapes[0], use[1], graph.mesh_shape)) * \
-        v.out_dtypes[0].itemsize
 
 
 def gather_buckets(graph: StrategyGraph, choice: dict[str, Strategy],

@@ -29,6 +29,7 @@ from autopar.passes.placement import (
     is_partial,
     same,
     shard_dims,
+    shard_factor,
 )
 
 # Collectives over many small tensors (gradient synchronization, FSDP parameter gathers) are
@@ -104,7 +105,7 @@ def _steps(shape: tuple[int, ...], src: Placements, dst: Placements,
             raise ReshardError(f"cannot make a pending sum from {src[k]} on mesh dimension {k}")
     local = [s for s in shape]
     for d in range(len(shape)):
-        local[d] //= _factor(src, mesh_shape, d)
+        local[d] //= shard_factor(src, mesh_shape, d)
     cur = list(src)
     steps: list[Step] = []
 
@@ -158,13 +159,6 @@ def _steps(shape: tuple[int, ...], src: Placements, dst: Placements,
             raise ReshardError(f"no step from {cur[k]} to {dst[k]} on mesh dimension {k}")
         cur[k] = dst[k]
     return tuple(steps)
-
-
-def _factor(placements: Placements, mesh_shape: Sequence[int], d: int) -> int:
-    f = 1
-    for k in shard_dims(placements, d):
-        f *= mesh_shape[k]
-    return f
 
 
 def single_gather(shape: Sequence[int], src: Placements, dst: Placements,
