@@ -9,7 +9,6 @@ of them).
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 import operator
@@ -28,6 +27,25 @@ from torch.export.graph_signature import InputKind, OutputKind
 from . import fold as layer_fold
 from .forked import Forked, can_fork
 from .functionalize import WriteError, functionalize_activation_writes
+from .graph_queries import (  # noqa: F401  (re-exported: the trace's queries)
+    drawing_ops,
+    draws_random,
+    gradient_hook_message,
+    input_base,
+    input_writes,
+    module_path,
+    random_draws,
+    source_line,
+    state_writes,
+    untraced_hooks,
+)
+from .meta_copies import (  # noqa: F401  (re-exported)
+    computed_attribute,
+    fake_copy,
+    fake_tensor,
+    meta_copy,
+    plain_tensors,
+)
 from .side_effects import SideEffectWatch
 from .soundness import SoundnessGate
 from .torch_compat import (
@@ -45,12 +63,9 @@ from .torch_compat import (
     tree_map,
     watch_checkpoints,
 )
+from .trace_error import TraceError
 
 BESIDE_LAYERS = 16  # `trace(beside=True)` checks stacks this deep in a child process
-
-
-class TraceError(RuntimeError):
-    """The model cannot be captured as one static graph; the message names the model line."""
 
 
 @dataclass
@@ -281,9 +296,9 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
     finally:
         if restore is not None:
             restore()
-    example_inputs = tuple(_fake(t, mode, device) for t in example_inputs)
-    kwargs = {k: _fake(t, mode, device) for k, t in kwargs.items()}
-    example_target = _fake(example_target, mode, device)
+    example_inputs = tuple(fake_tensor(t, mode, device) for t in example_inputs)
+    kwargs = {k: fake_tensor(t, mode, device) for k, t in kwargs.items()}
+    example_target = fake_tensor(example_target, mode, device)
     root: nn.Module = model
     args = example_inputs
     if loss_fn is not None and example_target is None:
@@ -442,7 +457,7 @@ def _fold_verdict(root: nn.Module, stack: layer_fold.Stack, args, kwargs, device
     values, fails the record and the model is exported whole)."""
     mode = static_fake_mode()
     root = fake_copy(root, mode, device, compute_dtype)
-    args, kwargs = tree_map(lambda t: _fake(t, mode, device), (args, kwargs))
+    args, kwargs = tree_map(lambda t: fake_tensor(t, mode, device), (args, kwargs))
     with SideEffectWatch(root, prefix=prefix) as watch:  # forward may change state: say so here
         full = layer_fold.record(root, stack, args, kwargs, mode)
         restore = layer_fold.cut(root, stack)
@@ -484,79 +499,6 @@ def _unfold(gm: fx.GraphModule, stack, ep, params: dict, buffers: dict, canonica
     params.update(ordered)
 
 
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose parameters and buffers live on the meta device (no storage
-    copied; tied parameters stay tied). Raises TraceError for a module holding a tensor
-    computed from its parameters as a plain attribute (`computed_attribute`)."""
-    why = computed_attribute(model)
-    if why:
-        raise TraceError(why)
-    memo: dict[int, torch.Tensor] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) in memo:
-            continue
-        m = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) \
-            if isinstance(t, nn.Parameter) else m
-    return copy.deepcopy(model, memo)
-
-
-def computed_attribute(model: nn.Module) -> str | None:
-    """Why `model` cannot be copied and traced, or None: a module keeps, as a plain attribute,
-    a tensor autograd computed from its parameters (the deprecated torch.nn.utils.weight_norm
-    recomputes its `weight` that way in a forward pre-hook). Such a tensor is neither a
-    parameter nor a buffer: it cannot be copied, and a trace would freeze it."""
-    for name, m in model.named_modules():
-        for attr, value in vars(m).items():
-            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                where = f"module {name or type(m).__name__} ({type(m).__name__})"
-                if any(type(h).__name__ == "WeightNorm" for h in m._forward_pre_hooks.values()):
-                    return (f"{where} uses torch.nn.utils.weight_norm, which is deprecated and "
-                            f"keeps `{attr}` as a tensor computed by a hook; use "
-                            "torch.nn.utils.parametrizations.weight_norm instead (autopar "
-                            "traces and shards it): torch.nn.utils.remove_weight_norm(module) "
-                            "then torch.nn.utils.parametrizations.weight_norm(module)")
-                return (f"{where} keeps `{attr}`, a tensor computed from its parameters, as a "
-                        "plain attribute: autopar copies the model to trace it and cannot copy "
-                        "it, and a trace would freeze it. Compute it in forward, or register "
-                        "it as a parametrization (torch.nn.utils.parametrize)")
-    return None
-
-
-def plain_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """The tensors `model`'s modules hold as plain attributes (not parameters or buffers)."""
-    return [v for m in model.modules() for v in vars(m).values()
-            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]
-
-
-def fake_copy(model: nn.Module, mode, device: torch.device,
-              param_dtype: torch.dtype | None = None) -> nn.Module:
-    """A copy of `model` whose parameters and buffers are `mode`'s fake tensors on `device`
-    (shapes, strides and dtypes, no storage; tied parameters stay tied); floating-point
-    parameters in `param_dtype` when given (mixed precision). A module's plain tensor
-    attributes are shared, not copied: the program lifts them as constants, and the caller
-    follows their changes (autopar/guards.py)."""
-    memo: dict[int, torch.Tensor] = {id(t): t for t in plain_tensors(model)}
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) in memo:
-            continue
-        dtype = param_dtype if isinstance(t, nn.Parameter) and param_dtype is not None \
-            and t.is_floating_point() else t.dtype
-        f = _fake(t, mode, device, dtype)
-        memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) \
-            if isinstance(t, nn.Parameter) else f
-    return copy.deepcopy(model, memo)
-
-
-def _fake(t, mode, device: torch.device, dtype: torch.dtype | None = None):
-    """A fake tensor of `t`'s shape and strides on `device`, in `dtype` (default: `t`'s);
-    anything else unchanged."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    with mode:
-        return torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device=device)
-
-
 def trace_example(model: nn.Module, example: tuple, loss_fn=None) -> TracedProgram:
     """`trace` for `example` as `step` receives it: the model's inputs, followed by the target
     when `loss_fn` is given."""
@@ -567,160 +509,6 @@ def trace_example(model: nn.Module, example: tuple, loss_fn=None) -> TracedProgr
         raise TraceError("with loss_fn, the example is the model inputs followed by the "
                          "target, as passed to step(*inputs, target)")
     return trace(model, example[:-1], loss_fn, example[-1])
-
-
-def random_draws(gm: fx.GraphModule) -> list[str]:
-    """The ops of `gm` that draw random numbers when run (dropout in training, SDPA with
-    dropout_p > 0, rand/randn/bernoulli...), as "op at model line"."""
-    return [f"{node.target} at {source_line(node) or node.name}" for node in drawing_ops(gm)]
-
-
-def drawing_ops(gm: fx.GraphModule) -> list[fx.Node]:
-    """The nodes of `gm` that draw random numbers when run (see `random_draws`)."""
-    return [node for node in gm.graph.nodes if draws_random(node)]
-
-
-def draws_random(node: fx.Node) -> bool:
-    """Whether `node` draws random numbers when run: an op torch tags as seeded, except
-    dropout that does not train or has p = 0 and SDPA with dropout_p = 0."""
-    if node.op != "call_function" or \
-            torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        return False
-    packet = node.target.overloadpacket
-    if packet in (torch.ops.aten.dropout, torch.ops.aten.native_dropout):
-        p, train = (list(node.args[1:3]) + [True])[:2]
-        return bool(train and p)
-    if packet is torch.ops.aten.scaled_dot_product_attention:
-        return bool(node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0))
-    if node.target in _RECURRENT:  # (input, hx, params, has_biases, layers, dropout, train, ...)
-        return bool(node.args[5] and node.args[6])
-    return True
-
-
-# nn.GRU, nn.LSTM and nn.RNN on padded batches: they draw only for dropout between layers
-_RECURRENT = (torch.ops.aten.gru.input, torch.ops.aten.lstm.input,
-              torch.ops.aten.rnn_tanh.input, torch.ops.aten.rnn_relu.input)
-
-
-def untraced_hooks(model: nn.Module) -> str | None:
-    """Why `model` cannot be traced as it runs, or None: hooks that run in backward (a
-    module's full backward hooks, a parameter's gradient hooks) are not part of the traced
-    forward, so the programs would never run them. Forward hooks and pre-hooks are traced."""
-    for name, m in model.named_modules():
-        if m._backward_hooks or m._backward_pre_hooks:
-            return (f"module {name or type(m).__name__} ({type(m).__name__}) has a backward "
-                    "hook (register_full_backward_hook / register_backward_hook), which the "
-                    "traced programs would never run; remove it, or do its work on the "
-                    "gradients after step() returns")
-    for name, p in model.named_parameters():
-        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
-            return gradient_hook_message(name)
-    return None
-
-
-def gradient_hook_message(name: str) -> str:
-    """The error for a gradient hook on parameter `name`."""
-    return (f"parameter {name} has a gradient hook (register_hook or "
-            "register_post_accumulate_grad_hook), which autopar never runs: it computes "
-            "gradients on copies of its own. Transform the gradients after step() returns "
-            "(p.grad is complete then), or before the optimizer step")
-
-
-def source_line(node: fx.Node) -> str:
-    """The model line that made `node` ("File ..., line N, in f: code"), or "" when FX recorded
-    none: the innermost frame of its stack trace outside torch."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    for i in range(len(lines) - 2, -1, -1):
-        if lines[i].startswith("File ") and "site-packages/torch" not in lines[i]:
-            return f"{lines[i]}: {lines[i + 1]}" if i + 1 < len(lines) else lines[i]
-    return ""
-
-
-def module_path(node: fx.Node, prefix: str = "") -> str:
-    """The model's module that made `node` (its innermost `nn_module_stack` entry, e.g.
-    "model.layers.3.mlp.up_proj"), without the tracing wrapper's `prefix`; "" for the model
-    itself (and for the loss function)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    if prefix and (path + ".") == prefix:
-        return ""
-    return path.removeprefix(prefix)
-
-
-def _mutation_message(what: str, where: str) -> str:
-    return (f"the model updates a parameter in place ({what}){where}; autopar stores "
-            "parameters sharded, so the update would land on a gathered copy. Update "
-            "parameters in the optimizer step (or in a hook after it), not in forward.")
-
-
-def input_writes(gm: fx.GraphModule, params: set[str]) -> dict[str, str]:
-    """The ops that write into a graph input (the training IR of export keeps in-place updates
-    in the graph: BatchNorm's num_batches_tracked += 1, a MoE router's token counts), as
-    {node: input}; writing into a view of an input counts as writing into the input. A
-    parameter written in place is a TraceError (its storage is sharded; the write would land
-    on a gathered copy)."""
-    out = {}
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or not schema.is_mutable:
-            continue
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            base = input_base(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
-            if base is None:
-                continue
-            if base.name in params:
-                where = source_line(node)
-                raise TraceError(_mutation_message(
-                    f"{node.target} writes parameter {base.name}",
-                    f"\n  at {where}" if where else ""))
-            out[node.name] = base.name
-    return out
-
-
-# Composite norms whose schema does not mark the running statistics they update in training
-# mode: the position of the `training` flag and of the running statistics.
-_RUNNING_STATS = {torch.ops.aten.batch_norm.default: (5, (3, 4)),
-                  torch.ops.aten.native_batch_norm.default: (5, (3, 4)),
-                  torch.ops.aten.instance_norm.default: (5, (3, 4))}
-
-
-def state_writes(gm: fx.GraphModule, writes: dict[str, str] | None = None
-                 ) -> dict[str, set[str]]:
-    """The ops of `gm` that write into graph inputs in forward, with the inputs each writes:
-    `writes` (`input_writes` of `gm`, as TracedProgram.writes keeps it; found when not given)
-    and the norms that update running statistics held in graph inputs (BatchNorm in training
-    mode: aten.batch_norm, whose schema does not say it writes them)."""
-    out = {n: {i} for n, i in (input_writes(gm, set()) if writes is None else writes).items()}
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in _RUNNING_STATS:
-            continue
-        flag, stats = _RUNNING_STATS[node.target]
-        training = node.args[flag] if len(node.args) > flag else node.kwargs.get("training")
-        if training is not True:
-            continue
-        for i in stats:
-            base = input_base(node.args[i] if len(node.args) > i else None)
-            if base is not None:
-                out.setdefault(node.name, set()).add(base.name)
-    return out
-
-
-def input_base(value) -> fx.Node | None:
-    """The graph input `value` is (a view of), or None."""
-    while isinstance(value, fx.Node):
-        if value.op == "placeholder":
-            return value
-        schema = getattr(value.target, "_schema", None)
-        returns = schema.returns if schema is not None else []
-        if value.op != "call_function" or not returns or returns[0].alias_info is None:
-            return None
-        value = value.args[0]
-    return None
 
 
 def _check_no_side_effects(changes: list[str]) -> None:
