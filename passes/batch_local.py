@@ -33,8 +33,6 @@ from .placement import R, interned, is_partial
 from .rules.random import RANDOM_OPS
 from .trace import TracedProgram, drawing_ops, source_line, state_writes
 
-_CACHE: dict[tuple[int, bool], tuple[TracedProgram, str]] = {}
-
 
 def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | None = None,
            mean: bool = True) -> str:
@@ -42,10 +40,10 @@ def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | Non
     dimension) mixes the samples of its batch, as words naming the op and its model line, or
     "" when no op does and m microbatches add up to the batch. `graph` is a strategy graph of
     `program` already built (the planner's, on its mesh): one of its mesh dimensions that
-    divides the batch serves, else one is built on a mesh of m. Cached per program."""
-    hit = _CACHE.get((id(program), mean))
-    if hit is not None and hit[0] is program:
-        return hit[1]
+    divides the batch serves, else one is built on a mesh of m. Kept on the program
+    (`TracedProgram.mixing`)."""
+    if mean in program.mixing:
+        return program.mixing[mean]
     first = next((n for n in program.graph.nodes if program.inputs and
                   n.name == program.inputs[0]), None)
     shape = tuple(first.meta["val"].shape) if first is not None else ()
@@ -61,9 +59,7 @@ def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | Non
     if not why and tail:
         why = _loss_reduction(graph, possible, graph.nodes.get(tail[-1]),
                               of_program(program).kind, dim, mean)
-    if len(_CACHE) > 64:
-        _CACHE.clear()
-    _CACHE[(id(program), mean)] = (program, why)
+    program.mixing[mean] = why
     return why
 
 

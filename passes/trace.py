@@ -107,6 +107,9 @@ class TracedProgram:
     # what `build` reads of each op node whatever the mesh (its OpCall, tensor inputs and the
     # key of its candidates), worked out at the first mesh
     op_calls: dict = field(default_factory=dict, repr=False, compare=False)
+    # whether the program mixes its batch's samples, by loss reduction (passes/batch_local.py
+    # `mixing`): the same answer at every level and microbatch count of a search
+    mixing: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def graph(self) -> fx.Graph:
