@@ -85,48 +85,119 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
     `microbatches` (m, {op: dimension}): the program runs once per microbatch of a batch m
     times larger, and these ops' outputs carry the batch on that dimension
     (passes/batch_local.py batch_dims; random ops then draw the whole batch's tensor)."""
-    mesh_shape = graph.mesh_shape
-    g = fx.Graph()
-    local: dict[tuple[str, Any], fx.Node] = {}  # (node, out index) -> local value node
-    resharded: dict[tuple[str, Any, Placements], fx.Node] = {}
-    placeholders = []
+    rank = _RankProgram(graph, choice, coords, comm, free_after_forward,
+                        gather_buckets(graph, choice, BUCKET_BYTES if bucket_bytes is None
+                                       else bucket_bytes, stage_of))
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            rank.placeholder(node.name)
+            continue
+        rank.start_buckets()  # before the first op (or the outputs, in a program of none)
+        if node.op != "output" and node.target is not operator.getitem:
+            rank.op(node, microbatches)
+    return rank.programs(program, per_rank)
 
-    def emit(target, args: tuple, record: Emitted, kwargs: dict | None = None) -> fx.Node:
-        node = g.call_function(target, args, kwargs)
+
+class _RankProgram:
+    """One rank's program as it is emitted, op by op: each traced op's local op, the
+    resharding collectives its inputs need, and the FSDP gathers in buckets.
+
+    Parameters whose use is one all-gather from their storage shard (FSDP) are gathered
+    together in buckets (`chains`, per mesh dimension), one collective per bucket and mesh
+    dimension (and one reduce-scatter of their gradients in backward) instead of one per
+    parameter, in order of first use: the first bucket's gather starts before the first op,
+    asynchronously, and each next one when the program first waits for the one before
+    (prefetching)."""
+
+    def __init__(self, graph: StrategyGraph, choice: dict[str, Strategy],
+                 coords: tuple[int, ...], comm: CommOps, free_after_forward: frozenset[str],
+                 chains: dict):
+        self.graph, self.choice, self.coords, self.comm = graph, choice, coords, comm
+        self.free_after_forward = free_after_forward
+        self.mesh_shape = graph.mesh_shape
+        self.g = fx.Graph()
+        self.local: dict[tuple[str, Any], fx.Node] = {}  # (node, out index) -> local value
+        self.resharded: dict[tuple[str, Any, Placements], fx.Node] = {}
+        self.placeholders: list[str] = []
+        self.chains = chains
+        self.prefetched: dict[tuple[str, Any, Placements], tuple[int, int]] = {
+            (p, None, dst): (k, j) for k, chain in chains.items()
+            for j, bucket in enumerate(chain) for p, dst, _ in bucket}
+        self.started: dict[tuple[int, int], fx.Node] = {}
+        self.gathering = False
+
+    def emit(self, target, args: tuple, record: Emitted, kwargs: dict | None = None) -> fx.Node:
+        node = self.g.call_function(target, args, kwargs)
         node.meta[META_KEY] = record
         return node
 
-    def value(name: str, idx) -> fx.Node:
-        key = (name, idx)
-        if key not in local:
-            base = local[(name, None)]
-            local[key] = emit(operator.getitem, (base, idx),
-                              _value_record("getitem", graph, choice, name, idx))
-        return local[key]
+    def record(self, role: str, name: str, idx, **more) -> Emitted:
+        return _value_record(role, self.graph, self.choice, name, idx, **more)
 
-    def reshard(name: str, idx, shape, src: Placements, dst: Placements,
+    def value(self, name: str, idx) -> fx.Node:
+        """The local value of output `idx` of traced node `name`."""
+        key = (name, idx)
+        if key not in self.local:
+            base = self.local[(name, None)]
+            self.local[key] = self.emit(operator.getitem, (base, idx),
+                                        self.record("getitem", name, idx))
+        return self.local[key]
+
+    def placeholder(self, name: str) -> None:
+        """A program input: parameters arrive as their local storage shard, constants and
+        user inputs whole."""
+        self.placeholders.append(name)
+        ph = self.g.placeholder(name)
+        ph.meta[META_KEY] = self.record("placeholder", name, None) \
+            if name in self.graph.nodes else Emitted("placeholder", name)
+        self.local[(name, None)] = ph
+
+    def start_buckets(self) -> None:
+        """Before the first op: start the first bucket's gather on every mesh dimension."""
+        if not self.gathering:
+            for k in self.chains:
+                self.start(k, 0)
+            self.gathering = True
+
+    def start(self, k: int, j: int) -> None:
+        """Start bucket j's all-gather on mesh dimension k (once)."""
+        if j < len(self.chains[k]) and (k, j) not in self.started:
+            bucket = self.chains[k][j]
+            self.started[(k, j)] = self.emit(
+                self.comm.all_gather_start,
+                ([self.local[(p, None)] for p, _, _ in bucket], [d for _, _, d in bucket], k),
+                Emitted("gather_start", None, collective="all_gather", mesh_dim=k))
+
+    def wait_bucket(self, key, consumer: str | None) -> None:
+        """The first use of a gathered bucket: start the next bucket's all-gather, then wait
+        for this one's here."""
+        k, j = self.prefetched[key]
+        bucket = self.chains[k][j]
+        self.start(k, j + 1)
+        group = self.emit(self.comm.all_gather_many,
+                          ([self.local[(p, None)] for p, _, _ in bucket],
+                           [d for _, _, d in bucket], k, self.started[(k, j)],
+                           tuple(p in self.free_after_forward for p, _, _ in bucket)),
+                          Emitted("gather_wait", None, collective="all_gather", mesh_dim=k,
+                                  consumer=consumer))
+        for i, (p, d, _) in enumerate(bucket):
+            self.resharded[(p, None, d)] = self.emit(
+                operator.getitem, (group, i),
+                self.record("gathered", p, None, placements=d, collective="all_gather",
+                            mesh_dim=k, consumer=consumer))
+
+    def reshard(self, name: str, idx, shape, src: Placements, dst: Placements,
                 consumer: str | None) -> fx.Node:
+        """Output `idx` of `name` at placements `dst`: the collectives (or local slices) of
+        the resharding from `src`, emitted once per destination."""
         key = (name, idx, dst)
-        if key not in resharded and key in prefetched:
-            # The first use of a gathered bucket: start the next bucket's all-gather, then
-            # wait for this one's here.
-            k, j = prefetched[key]
-            bucket = chains[k][j]
-            start(k, j + 1)
-            group = emit(comm.all_gather_many,
-                         ([local[(p, None)] for p, _, _ in bucket], [d for _, _, d in bucket],
-                          k, started[(k, j)], tuple(p in free_after_forward for p, _, _ in bucket)),
-                         Emitted("gather_wait", None, collective="all_gather", mesh_dim=k,
-                                 consumer=consumer))
-            for i, (p, d, _) in enumerate(bucket):
-                resharded[(p, None, d)] = emit(
-                    operator.getitem, (group, i),
-                    _value_record("gathered", graph, choice, p, None, placements=d,
-                                  collective="all_gather", mesh_dim=k, consumer=consumer))
-        if key in resharded:
-            return resharded[key]
-        x = value(name, idx)
-        record = _value_record("collective", graph, choice, name, idx, consumer=consumer)
+        if key not in self.resharded and key in self.prefetched:
+            self.wait_bucket(key, consumer)
+        if key in self.resharded:
+            return self.resharded[key]
+        x = self.value(name, idx)
+        record = self.record("collective", name, idx, consumer=consumer)
+        comm, mesh_shape = self.comm, self.mesh_shape
         for step in plan_steps(shape, src, dst, mesh_shape):
             k = step.mesh_dim
             if mesh_shape[k] == 1:  # one rank: every step is the identity
@@ -141,79 +212,42 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
                 target, args = comm.all_to_all, (x, step.dim, step.src_dim, k)
             else:
                 length = step.out_shape[step.dim]
-                target, args = _slice, (x, step.dim, coords[k] * length, length)
-            x = emit(target, args, replace(
+                target, args = _slice, (x, step.dim, self.coords[k] * length, length)
+            x = self.emit(target, args, replace(
                 record, role="slice" if step.kind == "slice" else "collective",
                 shape=tuple(step.out_shape), mesh_dim=k,
                 collective=None if step.kind == "slice" else step.kind))
-        resharded[key] = x
+        self.resharded[key] = x
         return x
 
-    # Parameters whose use is one all-gather from their storage shard (FSDP) are gathered
-    # together in buckets, one collective per bucket and mesh dimension (and one
-    # reduce-scatter of their gradients in backward) instead of one per parameter, in order of
-    # first use: the first bucket's gather starts before the first op, asynchronously, and
-    # each next one when the program first waits for the one before (prefetching).
-    limit = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-    chains = gather_buckets(graph, choice, limit, stage_of)
-    prefetched: dict[tuple[str, Any, Placements], tuple[int, int]] = {
-        (p, None, dst): (k, j) for k, chain in chains.items()
-        for j, bucket in enumerate(chain) for p, dst, _ in bucket}
-    started: dict[tuple[int, int], fx.Node] = {}
-
-    def start(k: int, j: int) -> None:
-        if j < len(chains[k]) and (k, j) not in started:
-            bucket = chains[k][j]
-            started[(k, j)] = emit(comm.all_gather_start,
-                                   ([local[(p, None)] for p, _, _ in bucket],
-                                    [d for _, _, d in bucket], k),
-                                   Emitted("gather_start", None, collective="all_gather",
-                                           mesh_dim=k))
-
-    gathered = False
-    for node in program.graph.nodes:
-        if node.op != "placeholder" and not gathered:
-            for k in chains:
-                start(k, 0)
-            gathered = True
-        if node.op == "placeholder":
-            placeholders.append(node.name)
-            ph = g.placeholder(node.name)
-            # Parameters arrive as their local storage shard, constants and user inputs whole.
-            ph.meta[META_KEY] = _value_record("placeholder", graph, choice, node.name, None) \
-                if node.name in graph.nodes else Emitted("placeholder", node.name)
-            local[(node.name, None)] = ph
-            continue
-        if node.op == "output":
-            continue
-        if node.target is operator.getitem:
-            continue
-        snode = graph.nodes[node.name]
-        strat = choice[node.name]
+    def op(self, node: fx.Node, microbatches) -> None:
+        """Traced op `node` on this rank: its inputs resharded to the chosen strategy, then
+        its lowering (passes/rules) or the op itself on local tensors."""
+        snode = self.graph.nodes[node.name]
+        strat = self.choice[node.name]
         local_inputs = []
         for slot, (src_name, idx) in enumerate(snode.inputs):
-            src = choice[src_name].out(idx)
-            local_inputs.append(reshard(src_name, idx, snode.in_shapes[slot], src,
-                                        strat.inputs[slot], node.name))
+            src = self.choice[src_name].out(idx)
+            local_inputs.append(self.reshard(src_name, idx, snode.in_shapes[slot], src,
+                                             strat.inputs[slot], node.name))
         call = snode.call
         args, kwargs = _substitute((call.args, call.kwargs), local_inputs)
-        ctx = local_context(snode, strat, mesh_shape, coords)
+        ctx = local_context(snode, strat, self.mesh_shape, self.coords)
         if microbatches is not None and node.name in microbatches[1]:
             ctx = replace(ctx, microbatches=(microbatches[1][node.name], microbatches[0]))
         lower = LOWERINGS.get(node.target) if snode.kind != CONSTANT else None
         target, args, kwargs = lower(call, args, kwargs, ctx) if lower else (
             node.target, args, kwargs)
-        new = emit(target, tuple(args), _value_record("op", graph, choice, node.name, None),
-                   dict(kwargs))
+        new = self.emit(target, tuple(args), self.record("op", node.name, None), dict(kwargs))
         new.meta["source"] = snode.source
-        local[(node.name, None)] = new
+        self.local[(node.name, None)] = new
 
-    def finish(outputs: list, unused: str | None = None) -> fx.GraphModule:
+    def finish(self, outputs: list, unused: str | None = None) -> fx.GraphModule:
         """The program computing `outputs`, without dead code or placeholder `unused` (when
         nothing reads it); compiled once (a GraphModule compiles its graph when made)."""
         gg = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        for n in g.nodes:
+        for n in self.g.nodes:
             env[n] = gg.node_copy(n, lambda a: env[a])
         gg.output(tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, outputs))
         gg.eliminate_dead_code()
@@ -222,24 +256,24 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
                 gg.erase_node(n)
         return fx.GraphModule(torch.nn.Module(), gg)
 
-    model_outs = []
-    for ref in graph.outputs:
-        name, idx = ref
-        sn = graph.nodes[name]
-        shape = sn.out_shapes[idx or 0]
-        src = choice[name].out(idx)
-        dst = tuple(R for _ in mesh_shape)
-        if per_rank is not None and shape and shape[0] == per_rank[1]:
-            dst = per_rank[0]
-        model_outs.append(reshard(name, idx, shape, src, dst, None))
-    # the inference program takes no target
-    infer = finish(model_outs, program.inputs[-1] if program.has_loss else None)
-    train, loss_placement = None, None
-    if graph.loss is not None:
-        name, idx = graph.loss
-        loss_placement = choice[name].out(idx)
-        train = finish([value(name, idx)])
-    return LocalPrograms(train, infer, placeholders, loss_placement)
+    def programs(self, program: TracedProgram, per_rank) -> LocalPrograms:
+        """The inference program (outputs whole, or per-rank rows as the inputs came; no
+        target) and the training program (the local loss)."""
+        model_outs = []
+        for name, idx in self.graph.outputs:
+            shape = self.graph.nodes[name].out_shapes[idx or 0]
+            dst = tuple(R for _ in self.mesh_shape)
+            if per_rank is not None and shape and shape[0] == per_rank[1]:
+                dst = per_rank[0]
+            model_outs.append(self.reshard(name, idx, shape, self.choice[name].out(idx), dst,
+                                           None))
+        infer = self.finish(model_outs, program.inputs[-1] if program.has_loss else None)
+        train, loss_placement = None, None
+        if self.graph.loss is not None:
+            name, idx = self.graph.loss
+            loss_placement = self.choice[name].out(idx)
+            train = self.finish([self.value(name, idx)])
+        return LocalPrograms(train, infer, self.placeholders, loss_placement)
 
 
 def _value_record(role: str, graph: StrategyGraph, choice: dict[str, Strategy], name: str,
