@@ -194,42 +194,8 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
         if node.op == "get_attr":
             raise ValueError(f"unexpected get_attr node {node.name} in the traced graph")
         if node.op == "placeholder":
-            val = node.meta["val"]
-            shape = tuple(int(s) for s in val.shape)
-            if node.name in program.params:
-                kind = PARAM
-                # An inference program (no loss) needs no gradient: priced as such (no
-                # backward, nothing kept for it, parameters stored only).
-                trains = node.name not in program.frozen and program.has_loss
-                if trains:
-                    grad.add(node.name)
-                # parameters of one shape share their list (as ops of one call do)
-                key = ("param", shape, trains and zero)
-                if key not in memo:
-                    cands = _storage_placements(shape, mesh_shape)
-                    memo[key] = [Strategy((), c) for c in cands] + (
-                        [Strategy((), c, stage) for c in cands for stage in STAGES
-                         if zero_shard(shape, c, mesh_shape) is not None]
-                        if trains and zero else [])
-                nodes[node.name] = SNode(
-                    node.name, kind, "", [], [], [shape], [val.dtype], False, trains,
-                    memo[key], None, "", program.params.get(node.name))
-                continue
-            if node.name in program.buffers:
-                kind = CONSTANT
-                cands = [tuple(R for _ in mesh_shape)]
-                constant.add(node.name)
-            else:
-                kind = INPUT
-                cands = [input_placement or tuple(R for _ in mesh_shape)]
-                if not divisible(shape, cands[0], mesh_shape):
-                    raise ValueError(
-                        f"input {node.name} of shape {shape} does not split evenly into "
-                        f"per-rank slices over mesh {mesh_shape} ({fmt(cands[0])}); use a "
-                        "batch divisible by the number of slices")
-            nodes[node.name] = SNode(
-                node.name, kind, "", [], [], [shape], [val.dtype], False, node.name in grad,
-                [Strategy((), c) for c in cands], None, "")
+            nodes[node.name] = _input_node(node, program, mesh_shape, input_placement, zero,
+                                           memo, constant, grad)
             continue
         if node not in program.op_calls:  # the same on every mesh
             call, tensor_nodes = op_call(node)
@@ -296,6 +262,46 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
                       stacklevel=2)
     return StrategyGraph(nodes, mesh_shape, loss, outputs, sorted(set(unsupported)),
                          program.compute_dtype)
+
+
+def _input_node(node: fx.Node, program: TracedProgram, mesh_shape: tuple[int, ...],
+                input_placement: Placements | None, zero: bool, memo: dict, constant: set[str],
+                grad: set[str]) -> SNode:
+    """The node of a graph input: a parameter (its storage candidates; ZeRO's with `zero`),
+    a buffer (a constant, whole) or a user input (whole, or per rank at `input_placement`).
+    Adds trained parameters to `grad` and buffers to `constant`."""
+    val = node.meta["val"]
+    shape = tuple(int(s) for s in val.shape)
+    if node.name in program.params:
+        # An inference program (no loss) needs no gradient: priced as such (no backward,
+        # nothing kept for it, parameters stored only).
+        trains = node.name not in program.frozen and program.has_loss
+        if trains:
+            grad.add(node.name)
+        # parameters of one shape share their list (as ops of one call do)
+        key = ("param", shape, trains and zero)
+        if key not in memo:
+            cands = _storage_placements(shape, mesh_shape)
+            memo[key] = [Strategy((), c) for c in cands] + (
+                [Strategy((), c, stage) for c in cands for stage in STAGES
+                 if zero_shard(shape, c, mesh_shape) is not None]
+                if trains and zero else [])
+        return SNode(node.name, PARAM, "", [], [], [shape], [val.dtype], False, trains,
+                     memo[key], None, "", program.params.get(node.name))
+    if node.name in program.buffers:
+        kind = CONSTANT
+        cands = [tuple(R for _ in mesh_shape)]
+        constant.add(node.name)
+    else:
+        kind = INPUT
+        cands = [input_placement or tuple(R for _ in mesh_shape)]
+        if not divisible(shape, cands[0], mesh_shape):
+            raise ValueError(
+                f"input {node.name} of shape {shape} does not split evenly into "
+                f"per-rank slices over mesh {mesh_shape} ({fmt(cands[0])}); use a "
+                "batch divisible by the number of slices")
+    return SNode(node.name, kind, "", [], [], [shape], [val.dtype], False, node.name in grad,
+                 [Strategy((), c) for c in cands], None, "")
 
 
 def _intern(nodes: dict[str, SNode]) -> None:
