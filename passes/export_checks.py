@@ -13,25 +13,7 @@ import traceback
 import torch
 import torch.fx as fx
 
-from .graph_queries import (  # noqa: F401  (re-exported: the trace's queries)
-    drawing_ops,
-    draws_random,
-    gradient_hook_message,
-    input_base,
-    input_writes,
-    module_path,
-    random_draws,
-    source_line,
-    state_writes,
-    untraced_hooks,
-)
-from .meta_copies import (  # noqa: F401  (re-exported)
-    computed_attribute,
-    fake_copy,
-    fake_tensor,
-    meta_copy,
-    plain_tensors,
-)
+from .graph_queries import source_line
 from .torch_compat import (
     TreeSpec,
     free_unbacked_symbols,

@@ -97,6 +97,9 @@ class StrategyGraph:
     # the dtype the program was traced in under mixed precision (None: the model's own): its
     # float32 tensors are the ones the model computes in float32 on purpose
     compute_dtype: torch.dtype | None = None
+    # what later stages work out once per graph (solver/cost.py: consumers per tensor,
+    # parameter shares); not copied by dataclasses.replace
+    analyses: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
 def _vals(node: fx.Node) -> list[Any]:

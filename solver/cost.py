@@ -743,14 +743,12 @@ class _GraphFacts:
     grad_readers: Counter      # (producer, output index) -> ops sending it a gradient
 
 
-_FACTS: dict[int, tuple[StrategyGraph, _GraphFacts]] = {}
-
-
 def _graph_facts(graph: StrategyGraph) -> _GraphFacts:
-    """Consumers per tensor and parameter shares of a graph (computed once per graph)."""
-    got = _FACTS.get(id(graph))
-    if got is not None and got[0] is graph:
-        return got[1]
+    """Consumers per tensor and parameter shares of a graph (computed once per graph, kept
+    in its `analyses`)."""
+    got = graph.analyses.get("cost")
+    if got is not None:
+        return got
     consumers: Counter = Counter()
     grad_readers: Counter = Counter()
     for v in graph.nodes.values():
@@ -763,9 +761,7 @@ def _graph_facts(graph: StrategyGraph) -> _GraphFacts:
     params = {n: numel(v.out_shapes[0]) for n, v in graph.nodes.items() if v.kind == PARAM}
     total = sum(params.values()) or 1
     found = _GraphFacts(consumers, {n: k / total for n, k in params.items()}, grad_readers)
-    if len(_FACTS) > 64:
-        _FACTS.clear()
-    _FACTS[id(graph)] = (graph, found)
+    graph.analyses["cost"] = found
     return found
 
 
