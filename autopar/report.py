@@ -151,9 +151,7 @@ def memory_section(plan) -> str:
 def placement_dims(plan) -> list[tuple[int, str]]:
     """(index in a placement, mesh dimension name) of the dimensions placements are over:
     the mesh, less "pp" in a pipelined plan."""
-    names = list(plan.mesh.names)
-    if plan.pipeline is not None:
-        names.pop(plan.pipeline.mesh_dim)
+    names = [plan.mesh.names[d] for d in plan.placement_dims]
     return list(enumerate(names or ["-"]))
 
 
