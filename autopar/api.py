@@ -7,7 +7,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.passes import torch_compat
-from autopar.passes.trace import meta_copy, trace
+from autopar.passes.meta_copies import meta_copy
+from autopar.passes.trace import trace
 from autopar.solver.specs import compute_dtype
 
 from .collector import planning

@@ -27,7 +27,9 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from autopar.passes.trace import TraceError, meta_copy, untraced_hooks
+from autopar.passes.graph_queries import untraced_hooks
+from autopar.passes.meta_copies import meta_copy
+from autopar.passes.trace import TraceError
 from autopar.runtime.collectives import MeshComm
 from autopar.runtime.control import Control, agreed
 from autopar.runtime.inference_outputs import guard_outputs

@@ -27,10 +27,11 @@ import torch.nn as nn
 
 from autopar.passes import strategies as strat_pass
 from autopar.passes.batch_local import batch_dims
+from autopar.passes.graph_queries import source_line, state_writes
 from autopar.passes.loss_weights import LossWeights, of_program
 from autopar.passes.pipeline_split import ValueMeta, buffer_writes, split_stages
 from autopar.passes.rewrite import rewrite
-from autopar.passes.trace import TracedProgram, TraceError, source_line, state_writes, trace
+from autopar.passes.trace import TracedProgram, TraceError, trace
 from autopar.passes.trace_values import Fingerprint, changed
 from autopar.runtime.control import agreed
 from autopar.runtime.pipeline import (

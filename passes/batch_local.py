@@ -28,10 +28,11 @@ import torch
 from torch.distributed.tensor import Shard
 
 from . import strategies
+from .graph_queries import drawing_ops, source_line, state_writes
 from .loss_weights import loss_tail, of_program
 from .placement import R, interned, is_partial
 from .rules.random import RANDOM_OPS
-from .trace import TracedProgram, drawing_ops, source_line, state_writes
+from .trace import TracedProgram
 
 
 def mixing(program: TracedProgram, m: int, graph: strategies.StrategyGraph | None = None,

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .graph_queries import module_path, source_line
 from .torch_compat import tree_leaves
-from .trace import TracedProgram, module_path, source_line
+from .trace import TracedProgram
 
 aten = torch.ops.aten
 

@@ -29,8 +29,9 @@ import torch
 import torch.fx as fx
 
 from .emitted import Emitted, emitted
+from .graph_queries import state_writes
 from .strategies import CONSTANT, OP, StrategyGraph
-from .trace import TracedProgram, state_writes
+from .trace import TracedProgram
 
 
 @dataclass

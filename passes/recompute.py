@@ -34,9 +34,10 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
+from .graph_queries import input_base, state_writes
 from .pipeline_split import layer_blocks
 from .strategies import OP, SNode, StrategyGraph
-from .trace import TracedProgram, input_base, state_writes
+from .trace import TracedProgram
 
 MODES = ("none", "selective", "full")
 

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .graph_queries import module_path, source_line
 from .placement import P, Placements, R, Shard, divisible, fmt, interned
 from .rules import RULES, OpCall, OpFacts, Rule1D, TensorArg, facts_of, replicate_all
 from .rules.registry import UNKNOWN
 from .torch_compat import tree_leaves, tree_map
-from .trace import TracedProgram, module_path, source_line
+from .trace import TracedProgram
 from .zero import STAGES, zero_shard
 
 INPUT, PARAM, CONSTANT, OP = "input", "param", "constant", "op"

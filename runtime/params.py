@@ -29,9 +29,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from autopar.passes.graph_queries import gradient_hook_message
 from autopar.passes.placement import Placements, local_slices
 from autopar.passes.reshard import BUCKET_BYTES
-from autopar.passes.trace import gradient_hook_message
 from autopar.passes.zero import ZeroShard
 
 from .zero import ZeroParam, at_offset_zero, gather_stepped, shard_view
