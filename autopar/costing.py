@@ -6,17 +6,38 @@ from __future__ import annotations
 
 from autopar.passes.strategies import StrategyGraph
 from autopar.solver.cost import CostModel
+from autopar.solver.flops import drawn_elements
 
 from .mesh import MeshSpec
 from .options import PlanOptions
 
+# randomness="auto" draws eagerly (bit for bit eager PyTorch) while the largest random op's
+# whole tensor, at the global batch, has at most this many elements (64 MiB of float32)
+EAGER_DRAW_LIMIT = 2**24
+
 
 def cost_model(mesh: MeshSpec, graph: StrategyGraph, options: PlanOptions,
-               info=None) -> CostModel:
-    """The cost model of `graph` on `mesh` for the optimizer, bucket size and precision
-    `options` price (`info`: the graph's solver/memory.py `node_infos`, when known)."""
+               info=None, microbatches: int = 1) -> CostModel:
+    """The cost model of `graph` on `mesh` for the optimizer, bucket size, precision and
+    randomness `options` price (`info`: the graph's solver/memory.py `node_infos`, when
+    known; `microbatches`: the global batch is that many times the traced one)."""
     return CostModel(mesh, options.optimizer, options.bucket_bytes, graph=graph, info=info,
-                     precision=options.precision)
+                     precision=options.precision,
+                     randomness=randomness(graph, options, microbatches))
+
+
+def randomness(graph: StrategyGraph, options: PlanOptions, microbatches: int = 1) -> str:
+    """How the random ops of `graph` draw (passes/rules/random.py): "" when it has none, else
+    `options.randomness`, where "auto" is "eager" while the largest whole tensor a random op
+    draws at the global batch (`microbatches` times the traced one) has at most
+    EAGER_DRAW_LIMIT elements, and "counter" beyond. The global batch decides, not the mesh:
+    a model draws in the same mode on every mesh and microbatch count."""
+    largest = max((drawn_elements(v) for v in graph.nodes.values()), default=0)
+    if not largest:
+        return ""
+    if options.randomness != "auto":
+        return options.randomness
+    return "eager" if largest * microbatches <= EAGER_DRAW_LIMIT else "counter"
 
 
 def profiler(profile):

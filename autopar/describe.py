@@ -86,7 +86,8 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
                 resharded=sorted(program.params.get(n, n) for n in cost.reshard),
                 zero={program.params[n]: s.zero for n, s in choice.items()
                       if graph.nodes[n].kind == PARAM and s.zero},
-                choice=index, candidates=candidates_fingerprint(graph))
+                choice=index, candidates=candidates_fingerprint(graph),
+                randomness=cost.randomness)
 
 
 @dataclass

@@ -15,6 +15,7 @@ SOLVERS = ("HIGHS", "SCIP", "CBC", "CP_SAT", "random")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ON_NEW_SHAPE = ("replan", "raise")
 RECOMPUTE = ("none", "selective", "full")
+RANDOMNESS = ("auto", "eager", "counter")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,15 @@ class PlanOptions:
       loss_reduction  how the loss combines a batch ("mean" or "sum"), for microbatches
                       (accumulation or pipelines) of a loss whose last op does not say;
                       None (the default): such a loss is not split into microbatches
+    Randomness (dropout, SDPA's dropout, rand_like and the like):
+      randomness      "eager": every rank draws each random op's whole tensor from the default
+                      generator and keeps its block: bit for bit eager PyTorch on one device,
+                      at a cost per rank that grows with the global batch; "counter": every
+                      rank computes its block from the step's key (one draw of the default
+                      generator a step): the same numbers under every plan, mesh and
+                      microbatch count, equal to autopar on one device, at a block's cost;
+                      "auto" (the default): "eager" while the largest random op's whole tensor
+                      has at most EAGER_DRAW_LIMIT elements, else "counter"
     Pipelines (a mesh dimension named "pp"):
       schedule ("gpipe", "1f1b", "interleaved"), virtual_stages
     Inputs:
@@ -92,6 +102,7 @@ class PlanOptions:
     schedule: str | None = None
     virtual_stages: int | None = None
     loss_reduction: str | None = None
+    randomness: str = "auto"
     per_rank_inputs: tuple[str, ...] = ()
     on_new_shape: str = "replan"
     search_workers: int | None = field(default=None, compare=False)
@@ -111,6 +122,7 @@ class PlanOptions:
             _one_of("loss_reduction", self.loss_reduction, ("mean", "sum"))
         _one_of("precision", self.precision, ("fp32", "bf16-mixed"))
         _one_of("on_new_shape", self.on_new_shape, ON_NEW_SHAPE)
+        _one_of("randomness", self.randomness, RANDOMNESS)
         if self.recompute is not None:
             _one_of("recompute", self.recompute, RECOMPUTE)
         if self.reshard_after_forward not in (None, True, False):

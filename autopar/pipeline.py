@@ -398,7 +398,8 @@ def _cut(ctx: BuildContext, tracer, plan: Plan) -> _Cut:
                                              lambda: batch_dims(tracer(1), k, program))
     programs = rewrite(program, graph, choice, pipe.stage_coords(setting.coords), comm,
                        bucket_bytes=setting.options.bucket_bytes, stage_of=stage_of,
-                       microbatches=(m, batch_of_draws) if batch_of_draws else None)
+                       microbatches=(m, batch_of_draws) if batch_of_draws else None,
+                       randomness=plan.randomness or "eager")
     kinds = {name: v.kind for name, v in graph.nodes.items()}
     train = split_stages(programs.train, graph, stage_of, kinds, pipe.num_stages)
     infer = split_stages(programs.infer, graph, stage_of, kinds, pipe.num_stages)

@@ -191,11 +191,12 @@ def _setting(mesh: MeshSpec, options: PlanOptions, batch: int, microbatches: int
                     profiler(options.profile))
 
 
-def _stage_cost(at: _Setting, graph: StrategyGraph) -> CostModel:
-    """The cost model of `graph` on the stage mesh."""
+def _stage_cost(at: _Setting, graph: StrategyGraph, microbatches: int) -> CostModel:
+    """The cost model of `graph` (traced at one of `microbatches`) on the stage mesh."""
     # a stage's program gathers its FSDP parameters in buckets of its own, prefetched within
     # the stage (passes/rewrite.py `stage_of`): priced beside compute, as without stages
-    return measured(cost_model(at.sub, graph, at.options), graph, at.profile)
+    return measured(cost_model(at.sub, graph, at.options, microbatches=microbatches), graph,
+                    at.profile)
 
 
 def _cut(trace_at, program: TracedProgram, batch: int, microbatches: int | None,
@@ -205,7 +206,7 @@ def _cut(trace_at, program: TracedProgram, batch: int, microbatches: int | None,
     does; traced again at the microbatch count chosen."""
     m0 = microbatches or 1
     graph = strat_pass.build(program, at.sub.shape)
-    cost = _stage_cost(at, graph)
+    cost = _stage_cost(at, graph, m0)
     if kept is not None:
         blocks = planned_blocks(program, graph, kept.blocks, "in these modes")
         best = StageSolution(kept.schedule, microbatches, kept.virtual_stages,
@@ -221,7 +222,7 @@ def _cut(trace_at, program: TracedProgram, batch: int, microbatches: int | None,
     if best.microbatches != m0:
         program = trace_at(best.microbatches)
         graph = strat_pass.build(program, at.sub.shape)
-        cost = _stage_cost(at, graph)
+        cost = _stage_cost(at, graph, best.microbatches)
         blocks = planned_blocks(program, graph, blocks.names, "at the microbatch size")
     # every microbatch draws the whole batch's random numbers (solver/stages.py), and adds
     # its gradients to those of the microbatches before it

@@ -211,6 +211,10 @@ class Plan:
     # `strategies` says the same in placements, for people and for the hash
     choice: dict[str, int] = field(default_factory=dict)
     candidates: str = ""
+    # how the model's random ops draw: "" (it draws none), "eager" (each rank draws the whole
+    # tensor, bit for bit eager PyTorch) or "counter" (each rank computes its block from the
+    # step's key: passes/rules/random.py)
+    randomness: str = ""
 
     @property
     def submesh_shape(self) -> tuple[int, ...]:
@@ -235,6 +239,8 @@ class Plan:
                     "accumulation": self.accumulation,
                     "recompute": sorted(self.recompute.mode_of.items()),
                     "resharded": sorted(self.resharded), "zero": sorted(self.zero.items())}
+        if self.randomness == "counter":  # (eager: what plans without the field ran)
+            decision["randomness"] = self.randomness
         if self.pipeline is not None:
             decision["pipeline"] = self.pipeline.decision()
         payload = json.dumps(decision, sort_keys=True)
@@ -265,6 +271,7 @@ class Plan:
             "zero": dict(sorted(self.zero.items())),
             "choice": self.choice,
             "candidates": self.candidates,
+            "randomness": self.randomness,
         }
         if self.pipeline is not None:
             out["pipeline"] = asdict(self.pipeline)
@@ -288,7 +295,8 @@ class Plan:
             d.get("mesh_search", []), d.get("alternatives", {}),
             Recompute.from_dict(d.get("recompute")), list(d.get("resharded", [])),
             {k: int(v) for k, v in d.get("zero", {}).items()},
-            {k: int(v) for k, v in d["choice"].items()}, d["candidates"])
+            {k: int(v) for k, v in d["choice"].items()}, d["candidates"],
+            d.get("randomness", ""))
 
     def save(self, path: str) -> None:
         """Write the plan as JSON."""

@@ -273,8 +273,9 @@ def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
     # every level's model a copy of one per graph, mesh and settings: they share its
     # resharding prices (the entry holds the mesh, so its id names it while the entry lives)
     base = derived(program, ("cost", id(graph), id(mesh), options.optimizer,
-                             options.bucket_bytes, options.precision),
-                   lambda: (mesh, cost_model(mesh, graph, options, info)))[1]
+                             options.bucket_bytes, options.precision, options.randomness,
+                             accumulation),
+                   lambda: (mesh, cost_model(mesh, graph, options, info, accumulation)))[1]
     cost = base.copy(recompute=r, reshard=frozenset(
         n for n, v in graph.nodes.items() if v.kind == PARAM)
         if frees_after_forward(options, reshard) else (), accumulation=accumulation)

@@ -321,7 +321,8 @@ def local_programs(ctx: BuildContext, program: TracedProgram, graph, choice, pla
                            n for n, name in program.params.items()
                            if name in set(plan.resharded)),
                        bucket_bytes=options.bucket_bytes,
-                       microbatches=(m, dims) if dims else None)
+                       microbatches=(m, dims) if dims else None,
+                       randomness=plan.randomness or "eager")
     if programs.train is not None:  # the blocks the plan recomputes run under checkpoint
         # (keeping of the parameters freed after forward only what gathers them again)
         wrap_recomputed(programs.train, plan.recompute,

@@ -259,7 +259,7 @@ def collective_lines(plan) -> list[str]:
 
 def footer(plan) -> list[str]:
     """What follows the cost: unsupported ops, the meshes tried, recomputation, accumulation,
-    pipeline."""
+    randomness, pipeline."""
     lines = []
     if plan.unsupported_ops:
         lines.append(f"replicated (no sharding rule): {', '.join(plan.unsupported_ops)}")
@@ -283,6 +283,12 @@ def footer(plan) -> list[str]:
     if plan.accumulation > 1:
         lines.append(f"gradient accumulation: {plan.accumulation} microbatches a step, "
                      "gradients synchronized once (the graph above is one microbatch)")
+    if plan.randomness == "counter":
+        lines.append("randomness: counter (each rank computes its block of every random op "
+                     "from the step's key: the same numbers under every plan)")
+    elif plan.randomness:
+        lines.append("randomness: eager (every rank draws each random op whole: bit for bit "
+                     "eager PyTorch on one device)")
     if plan.pipeline is not None:
         lines += ["", *plan.pipeline.lines()]
     return lines

@@ -69,7 +69,8 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
             free_after_forward: frozenset[str] = frozenset(),
             bucket_bytes: float | None = None,
             stage_of: dict[str, int] | None = None,
-            microbatches: tuple[int, dict[str, int]] | None = None) -> LocalPrograms:
+            microbatches: tuple[int, dict[str, int]] | None = None,
+            randomness: str = "eager") -> LocalPrograms:
     """Build the local programs for the rank at mesh `coords`. Outputs come back whole; with
     `per_rank` (the placement per-rank inputs arrive in, and the global batch), an output
     whose dimension 0 is the batch comes back as this rank's rows, as its inputs were.
@@ -84,7 +85,8 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
     runtime/regather.py). Buckets hold about `bucket_bytes` (default BUCKET_BYTES).
     `microbatches` (m, {op: dimension}): the program runs once per microbatch of a batch m
     times larger, and these ops' outputs carry the batch on that dimension
-    (passes/batch_local.py batch_dims; random ops then draw the whole batch's tensor)."""
+    (passes/batch_local.py batch_dims; random ops then draw the whole batch's tensor).
+    `randomness`: how random ops draw ("eager" or "counter": passes/rules/random.py)."""
     rank = _RankProgram(graph, choice, coords, comm, free_after_forward,
                         gather_buckets(graph, choice, BUCKET_BYTES if bucket_bytes is None
                                        else bucket_bytes, stage_of))
@@ -94,7 +96,7 @@ def rewrite(program: TracedProgram, graph: StrategyGraph, choice: dict[str, Stra
             continue
         rank.start_buckets()  # before the first op (or the outputs, in a program of none)
         if node.op != "output" and node.target is not operator.getitem:
-            rank.op(node, microbatches)
+            rank.op(node, microbatches, randomness)
     return rank.programs(program, per_rank)
 
 
@@ -220,7 +222,7 @@ class _RankProgram:
         self.resharded[key] = x
         return x
 
-    def op(self, node: fx.Node, microbatches) -> None:
+    def op(self, node: fx.Node, microbatches, randomness: str = "eager") -> None:
         """Traced op `node` on this rank: its inputs resharded to the chosen strategy, then
         its lowering (passes/rules) or the op itself on local tensors."""
         snode = self.graph.nodes[node.name]
@@ -232,7 +234,8 @@ class _RankProgram:
                                              strat.inputs[slot], node.name))
         call = snode.call
         args, kwargs = _substitute((call.args, call.kwargs), local_inputs)
-        ctx = local_context(snode, strat, self.mesh_shape, self.coords)
+        ctx = replace(local_context(snode, strat, self.mesh_shape, self.coords),
+                      randomness=randomness)
         if microbatches is not None and node.name in microbatches[1]:
             ctx = replace(ctx, microbatches=(microbatches[1][node.name], microbatches[0]))
         lower = LOWERINGS.get(node.target) if snode.kind != CONSTANT else None

@@ -14,7 +14,7 @@ import torch
 
 from autopar.passes.emitted import META_KEY
 from autopar.passes.rewrite import LocalPrograms
-from autopar.passes.rules.random import MICROBATCH
+from autopar.passes.rules.random_stream import STREAM
 from autopar.passes.torch_compat import tree_unflatten
 
 from .collectives import MeshComm
@@ -60,6 +60,8 @@ class ParallelModule:
         self._train_inputs = placeholders(programs.train) if programs.train is not None else []
         self._infer_inputs = placeholders(programs.infer)
         self._loss = loss_seeding(programs.loss_placement, plan.mesh.shape)
+        # counter randomness: a step draws its key (passes/rules/random_stream.py)
+        self._counter = plan.randomness == "counter"
 
     @property
     def trains(self) -> bool:
@@ -92,23 +94,25 @@ class ParallelModule:
         self._store.refresh()  # ZeRO shards stepped since the last program ran
         self._store.pull_grads()
         m = len(microbatches)
-        # Each microbatch draws what the whole batch draws and keeps its rows (random ops,
-        # passes/rules/random.py): from where the step started, leaving the generator where
-        # one device's whole batch leaves it.
-        rng = _Generator(microbatches[0]) if m > 1 else None
+        device = _device(microbatches[0])
+        # Eager randomness: each microbatch draws what the whole batch draws and keeps its
+        # rows (random ops, passes/rules/random.py): from where the step started, leaving the
+        # generator where one device's whole batch leaves it. Counter randomness: one key a
+        # step, whatever the microbatches.
+        rng = _Generator(device) if m > 1 and not self._counter else None
+        start = generator_state(device)
         try:
-            return self._step(microbatches, weights, rng)
+            with STREAM.step(device, self._counter):
+                return self._step(microbatches, weights, rng)
         except BaseException:
-            if rng is not None:  # a failed step leaves the generator where it began
-                set_generator_state(rng.device, rng.start)
+            set_generator_state(device, start)  # a failed step leaves the generator as it was
             raise
-        finally:
-            MICROBATCH.index = 0
 
     def _step(self, microbatches, weights, rng) -> torch.Tensor:
         m = len(microbatches)
         total = None
         for i, tensors in enumerate(microbatches):
+            STREAM.at_microbatch(i)
             if rng is not None:
                 rng.at_microbatch(i)
             # FSDP parameters the plan reshards after forward are gathered again in backward
@@ -140,18 +144,23 @@ class ParallelModule:
         """Inference: returns what the original model returns, whole. Runs without autograd;
         train through `step`, which seeds the backward pass correctly."""
         self._store.refresh()
-        with torch.no_grad():
+        with torch.no_grad(), STREAM.step(_device(tensors), self._counter):
             flat = self._programs.infer(*self._feed(self._infer_inputs, tensors, True))
         return tree_unflatten(list(flat), self._out_spec)
+
+
+def _device(tensors: list) -> torch.device:
+    """The device of a call's first tensor (whose default generator random ops draw from)."""
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor)),
+                torch.device("cpu"))
 
 
 class _Generator:
     """The default generator of a step's device across its microbatches: each starts where
     the step did (`at_microbatch`), and after the last it is where the first left it."""
 
-    def __init__(self, tensors: list):
-        self.device = next((t.device for t in tensors if isinstance(t, torch.Tensor)),
-                           torch.device("cpu"))
+    def __init__(self, device: torch.device):
+        self.device = device
         self.start = generator_state(self.device)
         self.end = None
 
@@ -159,7 +168,6 @@ class _Generator:
         """Before microbatch i's forward: the generator where the step started (where the
         first microbatch left it is kept for `finish`; a recomputation in its backward
         restores the generator itself)."""
-        MICROBATCH.index = i
         if i == 1:
             self.end = generator_state(self.device)
         if i:

@@ -45,7 +45,8 @@ from torch.distributed.tensor import Replicate
 from autopar.passes import torch_compat
 from autopar.passes.pipeline_split import StageProgram, ValueMeta
 from autopar.passes.placement import local_shape
-from autopar.passes.rules.random import MICROBATCH, draws_of, replay
+from autopar.passes.rules.random import draws_of, replay
+from autopar.passes.rules.random_stream import STREAM
 
 from .collectives import MeshComm
 from .flat import flatten, unflatten, write_grads
@@ -251,7 +252,9 @@ class PipelineModule:
         # Random draws: each stage draws, for every microbatch, what the whole batch draws in
         # it on one device (passes/rules/random.py), from the generator state one device
         # reaches at the stage's first op; every rank moves its generator past the other
-        # stages' draws (`_start_draws`), and leaves it where one device's step does.
+        # stages' draws (`_start_draws`), and leaves it where one device's step does. In
+        # counter randomness every rank draws the step's key instead, and nothing is replayed.
+        self._counter = plan.randomness == "counter"
         self._starts: dict[int, torch.Tensor] | None = None
         self._count: dict[int, int] = {}
         self._end: torch.Tensor | None = None
@@ -332,6 +335,10 @@ class PipelineModule:
         """Before a schedule runs (its stages' `draws`, `_Run.draws`): the generator state one
         device has at each of this rank's stages (moving past the draws of the stages before,
         in order) and at the step's end."""
+        if self._counter:
+            STREAM.begin(self._device, True)
+            self._starts, self._count, self._end = {}, {s: 0 for s in self._local}, None
+            return
         if not any(draws):
             self._starts = None
             return
@@ -352,15 +359,16 @@ class PipelineModule:
             return
         if self._count[stage] >= self._m:  # each forward once, in order
             raise RuntimeError(f"pipeline stage {stage} ran more forwards than microbatches")
-        set_generator_state(self._device, self._starts[stage])
-        MICROBATCH.index = self._count[stage]
+        if stage in self._starts:
+            set_generator_state(self._device, self._starts[stage])
+        STREAM.at_microbatch(self._count[stage])
         self._count[stage] += 1
 
     def _end_draws(self) -> None:
-        if self._starts is not None:
+        if self._starts is not None and self._end is not None:
             set_generator_state(self._device, self._end)
         self._starts = None
-        MICROBATCH.index = 0
+        STREAM.end()
 
     # -- running -------------------------------------------------------------------------------
     def check(self, inputs: tuple) -> str | None:

@@ -8,9 +8,9 @@ Everything is seconds or bytes, per device, for one training step (forward + bac
   flops for a hidden layer, 1x for the first layer, whose input needs none); attention
   (QK^T and PV, 4 B H L S E flops, half of it under a causal mask) costs 2x its forward in
   backward; other ops cost their forward again. A random op (dropout, rand_like, SDPA with
-  dropout) also draws its whole tensor on every rank, whatever the sharding (each rank keeps
-  its block of the single-device draw): DRAW_FLOPS per element in forward. A profile of
-  measured op times
+  dropout) also draws: in eager randomness its whole tensor on every rank, whatever the
+  sharding (each rank keeps its block of the single-device draw), DRAW_FLOPS per element in
+  forward; in counter randomness its block (`draw_time`). A profile of measured op times
   (autopar.profile, keyed by `op_key`: op, local shapes, dtypes, arguments) replaces the
   roofline for every op it holds.
 - communication: alpha-beta per mesh dimension: alpha + factor * bytes / bandwidth with the ring
@@ -66,6 +66,10 @@ INFEASIBLE = float("inf")
 # A random number costs about what a transcendental does (a Philox or Mersenne-Twister step and
 # a conversion), and is written to memory.
 DRAW_FLOPS = 20.0
+# Counter randomness (passes/rules/counter_rng.py): about 16 int64 elementwise kernels per
+# element, each reading and writing 8 bytes (unfused eager kernels).
+COUNTER_DRAW_OPS = 16.0
+COUNTER_DRAW_BYTES = 16 * 16.0
 
 
 class Split(NamedTuple):
@@ -126,7 +130,7 @@ class CostModel:
                  measured: Mapping[str, tuple[float, float]] | None = None,
                  activation_factor: float = 1.0, recompute: Recompute | None = None,
                  reshard: frozenset[str] = frozenset(), accumulation: int = 1,
-                 info: dict[str, mem.NodeInfo] | None = None):
+                 info: dict[str, mem.NodeInfo] | None = None, randomness: str = "eager"):
         self.mesh = mesh
         self.bucket_bytes = bucket_bytes
         self.hw = mesh.profile
@@ -148,19 +152,24 @@ class CostModel:
         self.reshard = frozenset(reshard)
         # microbatches a step accumulates gradients over (ZeRO-2 reduce-scatters each one's)
         self.accumulation = accumulation
+        # how random ops draw: "eager" (the whole tensor on every rank) or "counter" (the
+        # rank's block: passes/rules/random.py)
+        self.randomness = randomness
         self._reshard = lru_cache(maxsize=None)(self._reshard_uncached)
         self._node_kinds: dict[int, tuple[SNode, _Kinds]] = {}  # by node (see `_kinds`)
         self._edge_share: float | None = None
 
     def copy(self, **changes) -> CostModel:
         """The same model with some settings changed (mesh, optimizer, bucket_bytes, graph,
-        precision, measured, activation_factor, recompute, reshard, accumulation). On the
+        precision, measured, activation_factor, recompute, reshard, accumulation,
+        randomness). On the
         same mesh, graph and precision it shares this model's resharding prices (they
         depend on nothing else): the levels of a memory search price the same reshardings."""
         kw = dict(mesh=self.mesh, optimizer=self.optimizer, bucket_bytes=self.bucket_bytes,
                   graph=self.graph, precision=self.precision, measured=self.measured,
                   activation_factor=self.activation_factor, recompute=self.recompute,
-                  reshard=self.reshard, accumulation=self.accumulation)
+                  reshard=self.reshard, accumulation=self.accumulation,
+                  randomness=self.randomness)
         kw.update(changes)
         if kw["graph"] is self.graph:
             kw["info"] = self.info  # the same graph's analysis (0.07 s on Llama-3 70B)
@@ -465,7 +474,7 @@ class CostModel:
             roof = max(flops / (peak * matmul_efficiency(self.hw, m, n, k)), moved)
         else:
             roof = max(self.kernel_time(node, flops, peak, in_local), moved)
-        fwd = roof + launch + self.draw_time(node)
+        fwd = roof + launch + self.draw_time(node, strategy)
         if not grad:
             return fwd, 0.0
         if product is not None:
@@ -527,13 +536,24 @@ class CostModel:
                 peak * self.hw.matmul_efficiency)
         return flops / peak
 
-    def draw_time(self, node: SNode) -> float:
-        """Seconds a random op spends drawing: the whole tensor on every rank, whatever the
-        sharding, and under gradient accumulation or a pipeline's m microbatches the whole
-        batch's in every microbatch (passes/rules/random.py); 0 for other ops."""
-        n = drawn_elements(node) * self.accumulation
+    def draw_time(self, node: SNode, strategy: Strategy | None = None) -> float:
+        """Seconds a random op spends drawing; 0 for other ops. Eager randomness: the whole
+        tensor on every rank, whatever the sharding, and under gradient accumulation or a
+        pipeline's m microbatches the whole batch's in every microbatch. Counter randomness:
+        the rank's block under `strategy` (0 without one), COUNTER_DRAW_OPS integer ops and
+        COUNTER_DRAW_BYTES bytes moved per element (passes/rules/counter_rng.py, unfused)."""
+        n = drawn_elements(node)
         if not n:
             return 0.0
+        if self.randomness == "counter":
+            if strategy is None:
+                return 0.0
+            _, out_local = self.local_shapes(node, strategy)
+            whole = numel(node.out_shapes[0])
+            n = n * numel(out_local[0]) / whole if whole else 0
+            return max(n * COUNTER_DRAW_OPS / self.hw.peak_flops(torch.float32),
+                       n * COUNTER_DRAW_BYTES / self.hw.memory_bandwidth)
+        n *= self.accumulation
         dtype = self.dtype(node.out_dtypes[0])
         return max(n * DRAW_FLOPS / self.hw.peak_flops(dtype),
                    n * dtype.itemsize / self.hw.memory_bandwidth)
@@ -770,6 +790,7 @@ def _args_text(tree, tensor_type) -> str:
     return repr(leaves)
 
 
-__all__ = ["ALGO_FACTOR", "DRAW_FLOPS", "DUAL", "INFEASIBLE", "NO_TIME", "CostModel",
+__all__ = ["ALGO_FACTOR", "COUNTER_DRAW_BYTES", "COUNTER_DRAW_OPS", "DRAW_FLOPS", "DUAL",
+           "INFEASIBLE", "NO_TIME", "CostModel",
            "OptimizerSpec", "Precision", "Split", "backward_factor", "drawn_elements", "is_view",
            "op_flops", "step_seconds"]

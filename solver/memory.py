@@ -27,7 +27,10 @@ of the storages autograd really saves (tests/test_memory.py).
 A random op draws its whole tensor on every rank, whatever its sharding, and under gradient
 accumulation or a pipeline's microbatches the whole batch's (passes/rules/random.py), then keeps
 its block: the draw is live while the op runs, on top of what forward has kept by then
-(`draw_bytes`: the largest, a constant of the graph that the ILP takes off the budget).
+(`draw_bytes`: the largest, a constant of the graph that the ILP takes off the budget). In
+the counter mode of randomness a rank computes only its block, in chunks of at most
+counter_rng.CHUNK elements: what the draw holds besides its result is DRAW_BYTES_PER_ELEMENT
+per element of a chunk.
 
 Every other term is a function of one node's strategy or of one edge's pair of placements, so
 memory is linear in the ILP's variables:
@@ -50,6 +53,7 @@ from autopar.passes.gathers import use_groups
 from autopar.passes.placement import as_tuple, local_shape, same
 from autopar.passes.recompute import Recompute, saved_under_selective
 from autopar.passes.reshard import ReshardError, plan_steps, single_gather
+from autopar.passes.rules.counter_rng import CHUNK, DRAW_BYTES_PER_ELEMENT
 from autopar.passes.rules.registry import (
     SAVES_DIVISOR,
     SAVES_FIRST,
@@ -79,6 +83,7 @@ class Prices(Protocol):
     recompute: Recompute
     region_uses: Counter   # see region_input_uses
     accumulation: int      # microbatches a step accumulates gradients over
+    randomness: str        # how random ops draw: "eager" or "counter" (passes/rules/random.py)
     activation_factor: float  # microbatches in flight (pipeline stages)
 
     def dtype(self, dtype: torch.dtype) -> torch.dtype: ...
@@ -144,24 +149,43 @@ def extra_saved_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
     return f.extra_saved(node.call, in_local, out_local, lambda dt: cost.dtype(dt).itemsize)
 
 
-def draw_bytes(graph: StrategyGraph, cost: Prices) -> float:
-    """Bytes of the largest whole draw a random op makes while it runs, whatever the plan:
-    its drawn elements (the whole batch's under accumulation: `cost.accumulation`) times what
-    the lowering holds of each at most (passes/rules/random.py: a stand-in of the input's
-    dtype, and the op's outputs on it: for GPU dropout the whole output and its boolean mask,
-    2 x itemsize + 1). An overcount where attention with dropout runs whole on every rank
-    without accumulation (the fused kernel draws without holding the weights' mask): in any
-    other plan it runs as the math kernel on the whole draw's block."""
+def draw_bytes(graph: StrategyGraph, cost: Prices,
+               choice: dict[str, Strategy] | None = None) -> float:
+    """Bytes of the largest draw a random op makes while it runs, besides its result.
+
+    Eager randomness, whatever the plan: its drawn elements (the whole batch's under
+    accumulation: `cost.accumulation`) times what the lowering holds of each at most
+    (passes/rules/random.py: a stand-in of the input's dtype, and the op's outputs on it: for
+    GPU dropout the whole output and its boolean mask, 2 x itemsize + 1). An overcount where
+    attention with dropout runs whole on every rank without accumulation (the fused kernel
+    draws without holding the weights' mask): in any other plan it runs as the math kernel on
+    the whole draw's block.
+
+    Counter randomness: DRAW_BYTES_PER_ELEMENT per element of its largest chunk, at most
+    CHUNK elements and at most the rank's block under `choice` (without one: the whole
+    tensor of a microbatch, an upper bound of any block)."""
     most = 0.0
+    counter = cost.randomness == "counter"
     for v in graph.nodes.values():
         f = facts(v)
         if f.draws is None or v.call is None or not v.out_dtypes:
             continue
         n = f.draws(v.call)
-        if n:
+        if n and counter:
+            if choice is not None:
+                n = n * _block_share(cost, v, choice[v.name])
+            most = max(most, min(n, CHUNK) * DRAW_BYTES_PER_ELEMENT)
+        elif n:
             size = cost.dtype(v.out_dtypes[0]).itemsize
             most = max(most, n * cost.accumulation * (2 * size + 1))
     return float(most)
+
+
+def _block_share(cost: Prices, v: SNode, s: Strategy) -> float:
+    """The fraction of `v`'s (first) output this rank holds under `s`."""
+    _, out_local = cost.local_shapes(v, s)
+    whole = math.prod(v.out_shapes[0])
+    return math.prod(out_local[0]) / whole if whole else 0.0
 
 
 def workspace_bytes(cost: Prices, node: SNode, strategy: Strategy) -> float:
@@ -499,7 +523,7 @@ def memory_split(graph: StrategyGraph, cost: Prices, choice: dict[str, Strategy]
         out["recomputed"] += again
         out["workspace"] += work
     out["gathered"] = gathered_bytes(graph, cost, choice)
-    out["draws"] = draw_bytes(graph, cost)
+    out["draws"] = draw_bytes(graph, cost, choice)
     for kind in ("recomputed", "gathered", "workspace", "draws"):  # only plans that have them
         if not out[kind]:
             del out[kind]

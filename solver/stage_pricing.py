@@ -245,8 +245,9 @@ def price_blocks(graph: StrategyGraph, cost: CostModel, block_of: dict[str, int]
         p = price(sub, cost, picked)
         blocks.append(Block(name, p.time, p.time_fixed, p.grad_sync,
                             sum(v for k, v in p.memory.items() if k != "activations"),
-                            p.memory["activations"], draw=p.draws,
-                            accumulate=p.accumulate, drawn=p.drawn))
+                            p.memory["activations"], draw=p.draws, accumulate=p.accumulate,
+                            **({"drawn_fixed": p.drawn} if cost.randomness == "counter"
+                               else {"drawn": p.drawn})))
     for b, values in crossing(graph, {n: block_of[n] for n in block_of
                                       if graph.nodes[n].kind == OP}).items():
         blocks[b].cut_time, blocks[b].cut_fixed = transfer_time(graph, cost, values, choice,

@@ -27,7 +27,8 @@ what one device draws for the whole batch (m mb = m sigma tb) and keeps its own 
 a pipelined model draws one device's numbers (passes/rules/random.py). Every pp rank also
 draws every stage's numbers once per step, to move its generator where one device has it at
 each of its stages (runtime/pipeline.py): R = m sigma sum_b d_b seconds, added to the
-objective.
+objective. In counter randomness (each rank computes its block of a microbatch's numbers) d_b
+is 0: the draws are in t_b, shrinking with the microbatch, and nothing is replayed.
 Variables
   x[b,s] in {0,1}   block b runs in stage s
   y[b,s] in [0,1]   block b is the last block of stage s < S-1 (a cut follows it)
@@ -163,6 +164,9 @@ class Block:
     draw: float = 0.0        # d_b: seconds of its random draws at the traced batch (in time)
     accumulate: float = 0.0  # g'_b: seconds of adding a microbatch's gradients (not in time)
     drawn: float = 0.0       # bytes of its largest random draw at the traced batch
+    # bytes of its largest random draw that do not grow with the batch (counter randomness
+    # draws a block in chunks: solver/memory.py draw_bytes)
+    drawn_fixed: float = 0.0
 
 
 def microbatch_time(block: Block, sigma: float, m: int) -> float:
@@ -225,7 +229,7 @@ def solve_stages(blocks: list[Block], p: int, schedule: str, m: int, v: int, sig
     k = [in_flight(schedule, p, m, v, r) for r in range(p)]
     # the largest random draw, of the whole batch in every microbatch, while its op runs
     # (solver/memory.py draw_bytes), on any rank: off the budget
-    drawn = max((b.drawn for b in blocks), default=0.0) * m * sigma
+    drawn = max((b.drawn * m * sigma + b.drawn_fixed for b in blocks), default=0.0)
     ti, ci, gi = ([round(x / TICK) for x in xs] for xs in (t, c, [b.grad_sync for b in blocks]))
     model = cp_model.CpModel()
     # Block b can only be in stages s with s <= b and S - 1 - s <= n - 1 - b.

@@ -449,7 +449,8 @@ def test_the_largest_random_draw_is_part_of_the_peak():
     the budget less it. Measured on the lowering itself (CPU: a stand-in of the whole batch,
     then the rank's block), what a microbatch's dropout allocates beyond its result is the
     whole batch's draw."""
-    from autopar.passes.rules.random import MICROBATCH, dropout_block
+    from autopar.passes.rules.random import dropout_block
+    from autopar.passes.rules.random_stream import STREAM
     from autopar.solver.memory import KINDS, draw_bytes, memory_split
 
     model = nn.Sequential(nn.Linear(64, 256), nn.Dropout(0.1), nn.Linear(256, 8))
@@ -477,12 +478,12 @@ def test_the_largest_random_draw_is_part_of_the_peak():
     assert tight.cost.peak_memory <= free.cost.peak_memory * 0.95
     # The lowering under accumulation over 4 microbatches of 8 rows, rank 1 of 2 (rows 4-7).
     h = torch.randn(4, 256)
-    MICROBATCH.index = 2
+    STREAM.at_microbatch(2)
     try:
         with _AllocatedBytes() as counted:
             out = dropout_block(h, 0.1, (32, 256), (256, 1), ((4, 4), (0, 256)), (0, 8))
     finally:
-        MICROBATCH.index = 0
+        STREAM.end()
     assert out.shape == h.shape
     beyond = counted.total - 2 * out.untyped_storage().nbytes()  # the block and the result
     assert beyond == 32 * 256 * 4  # the whole batch's stand-in, drawn into in place

@@ -5,7 +5,8 @@ With dropout (dropout_p > 0) the single-device op draws one mask of the whole (B
 attention weights. A rank that runs the op on its block would draw a mask of the block's shape,
 not the block of that mask, so a sharded strategy runs the math kernel on its block with the
 dropout drawn whole and sliced (`attention_math_block`); the replicated strategy runs the
-unchanged op.
+unchanged op. In the counter mode of randomness every strategy runs the math kernel with the
+mask of its block computed from the op's key (`counter_attention_block`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import torch
 
 from ..placement import local_slices
-from .random import REPLAYS, draw_mask, drawn_dtype, dropout_block
+from .random import REPLAYS, counter_dropout_block, draw_mask, drawn_dtype, dropout_block
 from .registry import LocalContext, OpCall, R, Rule1D, Shard, aten, facts, lowering, register
 
 
@@ -129,6 +130,27 @@ def attention_math_block(q, k, v, mask, dropout_p: float, is_causal: bool, scale
     single-device result (tests/test_rules.py checks it against the op bit for bit). Under
     gradient accumulation `weights` are the whole batch's and `shift` moves the block to the
     running microbatch's rows (passes/rules/random.py)."""
+    contiguous = tuple(math.prod(weights[i + 1:]) for i in range(len(weights)))
+    return _math_attention(q, k, v, mask, is_causal, scale, enable_gqa, block[2][0],
+                           lambda a: dropout_block(a, dropout_p, weights, contiguous, block,
+                                                   shift))
+
+
+def counter_attention_block(q, k, v, mask, dropout_p: float, is_causal: bool, scale,
+                            enable_gqa: bool, name: str, weights: tuple[int, ...],
+                            block: tuple[tuple[int, int], ...], shift=None) -> torch.Tensor:
+    """`attention_math_block` in the counter mode of randomness: the dropout mask of the
+    rank's block of the weights is computed from the key of op `name` this step
+    (passes/rules/random.py), whatever the strategy, replicated included."""
+    return _math_attention(q, k, v, mask, is_causal, scale, enable_gqa, block[2][0],
+                           lambda a: counter_dropout_block(a, dropout_p, name, weights, block,
+                                                           shift))
+
+
+def _math_attention(q, k, v, mask, is_causal: bool, scale, enable_gqa: bool, first_row: int,
+                    drop) -> torch.Tensor:
+    """ATen's math kernel on a block of queries whose first row is `first_row` of the whole
+    sequence, with `drop(weights)` as the dropout of the attention weights."""
     origin = q.dtype
     if mask is not None and mask.dtype == torch.bool:  # additive, in the input's dtype
         mask = _additive(mask, origin)
@@ -140,16 +162,14 @@ def attention_math_block(q, k, v, mask, dropout_p: float, is_causal: bool, scale
     q = q * (0.0 - root if negative else root)
     if is_causal:  # the rows of the whole causal mask this block holds
         rows = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
-        mask = _additive(rows.tril(diagonal=block[2][0]), q.dtype)
+        mask = _additive(rows.tril(diagonal=first_row), q.dtype)
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
     attn = torch.matmul(q, k.transpose(-2, -1) * root)
     if mask is not None:
         attn = attn + mask
-    attn = aten._safe_softmax(attn, -1)
-    contiguous = tuple(math.prod(weights[i + 1:]) for i in range(len(weights)))
-    attn = dropout_block(attn, dropout_p, weights, contiguous, block, shift)
+    attn = drop(aten._safe_softmax(attn, -1))
     return torch.matmul(attn, v).to(origin)
 
 
@@ -194,6 +214,11 @@ def lower_sdpa(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
             d, m = ctx.microbatches  # (of the output (B, H, L, E): the weights' first three)
             weights = tuple(n * m if k == d else n for k, n in enumerate(weights))
             shift = (d, (B, H, L)[d])
+        if ctx.randomness == "counter":
+            return counter_attention_block, (
+                args[0], args[1], args[2], get(3, "attn_mask", None), p, is_causal,
+                get(6, "scale", None), get(7, "enable_gqa", False), call.name, weights, block,
+                shift), {}
         if shift or any(length != size for (_, length), size in zip(block, (B, H, L, S))):
             return attention_math_block, (
                 args[0], args[1], args[2], get(3, "attn_mask", None), p, is_causal,

@@ -1,13 +1,21 @@
-"""Random ops: each rank computes its block of what the single-device op computes from the
-same seed.
+"""Random ops: each rank computes its block of what the op computes on one device, in one of
+two modes of randomness (`LocalContext.randomness`, the plan's `randomness`).
 
-A random op draws a tensor of its whole shape from the default generator. A rank that drew only
-its local shape would get a mask that is not the slice of the single-device mask, and replicas
-that are meant to differ (data-parallel shards) would draw the same one. So the lowering of a
-random op draws the whole tensor on every rank, consuming the generator exactly as the
-single-device op does (the same op, shape, dtype and memory layout), and keeps this rank's block.
-The local result is then the single-device result's block bit for bit, and every rank leaves
-the generator in the same state, so later draws stay in step too.
+Counter mode ("counter"): the numbers of a random op are a function of the step's key, the op
+and each element's index in the whole tensor (passes/rules/counter_rng.py), so a rank computes
+its block alone, at the block's cost in memory and time. Every plan, mesh and microbatch count
+of the same model draws the same numbers, equal to autopar's on one device; they are not the
+numbers eager PyTorch draws. The step's key is drawn once a step from the default generator
+(passes/rules/random_stream.py), so seeding every rank alike still fixes the masks.
+
+Eager mode ("eager"), the rest of this docstring: bit for bit what eager PyTorch draws on one
+device from the same seed. A random op draws a tensor of its whole shape from the default
+generator. A rank that drew only its local shape would get a mask that is not the slice of the
+single-device mask, and replicas that are meant to differ (data-parallel shards) would draw the
+same one. So the lowering of a random op draws the whole tensor on every rank, consuming the
+generator exactly as the single-device op does (the same op, shape, dtype and memory layout),
+and keeps this rank's block. The local result is then the single-device result's block bit for
+bit, and every rank leaves the generator in the same state, so later draws stay in step too.
 
 Placements, per mesh dimension: the output is placed as the input, Replicate or Shard(any
 dimension); never a pending sum (dropout of a sum is not the sum of dropouts), except where the
@@ -18,12 +26,13 @@ also take a pending sum as their input.
 Gradient accumulation runs a program traced on one of m microbatches m times. There a random
 op whose output carries the batch (`LocalContext.microbatches`: on which dimension) draws the
 whole batch's tensor and keeps its block of the microbatch the runtime runs now
-(`MICROBATCH.index`), and the runtime puts the generator back where the step started before
+(`STREAM.microbatch`), and the runtime puts the generator back where the step started before
 each microbatch and where the first one left it after the last: every microbatch draws what
 the whole batch draws, as one device running the whole batch does, and keeps its rows.
 
-Cost (solver/cost.py, solver/memory.py): the draw is of the whole tensor on every rank whatever
-the sharding; what backward keeps is the local block of the mask.
+Cost (solver/cost.py, solver/memory.py): in eager mode the draw is of the whole tensor on
+every rank whatever the sharding; in counter mode of the rank's block, in chunks. What backward
+keeps is the local block of the mask.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ import torch
 from ..emitted import META_KEY
 from ..placement import local_slices
 from ..trace import draws_random, source_line
+from . import counter_rng
+from .random_stream import STREAM
 from .registry import (
     SAVES_NOTHING,
     LocalContext,
@@ -61,19 +72,8 @@ RANDOM_OPS = [DROPOUT, NATIVE_DROPOUT, *DRAWN_LIKE]
 # `empty_like(input).bernoulli_(1 - p).div_(1 - p)`.
 FUSED_DROPOUT_DEVICES = ("cuda", "xpu", "lazy", "privateuseone")
 
-__all__ = ["DRAWN_LIKE", "MICROBATCH", "RANDOM_OPS", "REPLAYS", "draw_mask", "drawn_dtype",
-           "draws_of", "dropout_draws", "replay"]
-
-
-class MicrobatchIndex:
-    """The microbatch of a step the programs run now (the runtime sets `index` before each
-    microbatch's forward; 0 outside gradient accumulation)."""
-
-    def __init__(self):
-        self.index = 0
-
-
-MICROBATCH = MicrobatchIndex()
+__all__ = ["DRAWN_LIKE", "RANDOM_OPS", "REPLAYS", "counter_dropout_block", "draw_mask",
+           "drawn_dtype", "draws_of", "dropout_draws", "replay"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def _whole_batch(call: OpCall, ctx: LocalContext):
     """(shape, layout, block, shift) of the draw: the input's whole shape and the
     single-device layout, this rank's block of the output, and under gradient accumulation
     (dimension, rows of a microbatch): the shape and layout are the whole batch's, the block
-    is moved by the rows of the microbatches before the one running (`_shifted`)."""
+    is moved by the rows of the microbatches before the one running (`STREAM.shifted`)."""
     x = call.inputs[0]
     block = _block(call, ctx)
     if ctx.microbatches is None:
@@ -190,17 +190,6 @@ def _whole_batch(call: OpCall, ctx: LocalContext):
         layout[k] = step
         step *= shape[k]
     return shape, tuple(layout), block, (d, x.shape[d])
-
-
-def _shifted(block: tuple[tuple[int, int], ...], shift: tuple[int, int] | None
-             ) -> tuple[tuple[int, int], ...]:
-    """`block` within the whole batch's draw: on the batch's dimension, after the rows of the
-    microbatches before the one running."""
-    if shift is None:
-        return block
-    d, rows = shift
-    return tuple((start + MICROBATCH.index * rows, n) if k == d else (start, n)
-                 for k, (start, n) in enumerate(block))
 
 
 def _take(whole: torch.Tensor, block: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -256,7 +245,7 @@ def dropout_block(x: torch.Tensor, p: float, shape: tuple[int, ...], layout: tup
                   block: tuple[tuple[int, int], ...], shift=None) -> torch.Tensor:
     """aten.dropout(x, p, train=True) of this rank's block `x` of the whole input (`shift`:
     see `_whole_batch`)."""
-    block = _shifted(block, shift)
+    block = STREAM.shifted(block, shift)
     if _fused(x):
         _, mask = aten.native_dropout(_stand_in(x, shape, layout), p, True)
         return _MaskAndScale.apply(x, _take(mask, block), p, _scale(p))
@@ -270,7 +259,7 @@ def native_dropout_block(x: torch.Tensor, p: float, train: bool | None,
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """aten.native_dropout(x, p, train) of this rank's block `x` of the whole input."""
     _, mask = aten.native_dropout(_stand_in(x, shape, layout), p, train)
-    mask = _take(mask, _shifted(block, shift))
+    mask = _take(mask, STREAM.shifted(block, shift))
     # native_dropout's derivative scales by 1, not 1 / (1 - p), when train is None (it reads
     # "not train.has_value() or not train" as eval mode); the single-device gradient does too.
     return _MaskAndScale.apply(x, mask, p, 1.0 if train is None else _scale(p)), mask
@@ -280,7 +269,56 @@ def drawn_like_block(op, x: torch.Tensor, args: tuple, kwargs: dict, shape: tupl
                      layout: tuple[int, ...], block: tuple[tuple[int, int], ...],
                      shift=None) -> torch.Tensor:
     """`op(x, *args, **kwargs)` (rand_like and the like) of this rank's block `x`."""
-    return _take(op(_stand_in(x, shape, layout), *args, **kwargs), _shifted(block, shift))
+    return _take(op(_stand_in(x, shape, layout), *args, **kwargs), STREAM.shifted(block, shift))
+
+
+# ---------------------------------------------------------------------------------------------
+# Counter mode: each rank computes its block from the step's key
+# ---------------------------------------------------------------------------------------------
+
+def counter_dropout_block(x: torch.Tensor, p: float, name: str, shape: tuple[int, ...],
+                          block: tuple[tuple[int, int], ...], shift=None) -> torch.Tensor:
+    """Dropout of this rank's block `x` of the whole input (of `shape`): the keep mask of
+    the block, computed from the key of op `name` this step (counter_rng.keep_mask)."""
+    mask = counter_rng.keep_mask(STREAM.op_key(name), p, shape, STREAM.shifted(block, shift),
+                                 x.device)
+    return _MaskAndScale.apply(x, mask, p, _scale(p))
+
+
+def counter_native_dropout_block(x: torch.Tensor, p: float, train: bool | None, name: str,
+                                 shape: tuple[int, ...], block: tuple[tuple[int, int], ...],
+                                 shift=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """aten.native_dropout(x, p, train) of this rank's block, with the counter mask."""
+    mask = counter_rng.keep_mask(STREAM.op_key(name), p, shape, STREAM.shifted(block, shift),
+                                 x.device)
+    return _MaskAndScale.apply(x, mask, p, 1.0 if train is None else _scale(p)), mask
+
+
+def counter_drawn_like_block(op, x: torch.Tensor, args: tuple, kwargs: dict, name: str,
+                             shape: tuple[int, ...], block: tuple[tuple[int, int], ...],
+                             shift=None) -> torch.Tensor:
+    """`op(x, *args, **kwargs)` (rand_like, randn_like, randint_like, bernoulli(x, p)) of this
+    rank's block `x`, drawn from the key of op `name` this step."""
+    kw = {k: v for k, v in kwargs.items() if k not in ("device", "generator")}
+    dtype = op(torch.empty(0, dtype=x.dtype, device="meta"), *args, **kw).dtype
+    key, block = STREAM.op_key(name), STREAM.shifted(block, shift)
+    if op == aten.randn_like.default:
+        return counter_rng.normal(key, STREAM.op_key(name, 1), shape, block, dtype, x.device)
+    if op in (aten.randint_like.default, aten.randint_like.low_dtype):
+        low, high = (0, args[0]) if op == aten.randint_like.default else args[:2]
+        return counter_rng.integers(key, int(low), int(high), shape, block, dtype, x.device)
+    u = counter_rng.uniform(key, shape, block, torch.float64 if dtype == torch.float64
+                            else torch.float32, x.device)
+    if op == aten.bernoulli.p:
+        return (u < float(args[0] if args else kwargs.get("p", 0.5))).to(dtype)
+    return u.to(dtype)
+
+
+def _counter(call: OpCall, ctx: LocalContext) -> tuple:
+    """(name, whole shape, block, shift) of a counter-mode draw (`_whole_batch`, without the
+    layout: counter numbers follow the logical index, not memory order)."""
+    shape, _, block, shift = _whole_batch(call, ctx)
+    return call.name, shape, block, shift
 
 
 # Where the op draws, the lowering draws from a stand-in even when the rank holds the whole
@@ -294,6 +332,11 @@ def lower_dropout(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
     if not dropout_draws(call):
         return call.target, args, kwargs
     head = (args[0] if args else kwargs["input"], float(call.arg(1, "p")))
+    if ctx.randomness == "counter":
+        if call.target == NATIVE_DROPOUT:
+            return counter_native_dropout_block, (*head, call.arg(2, "train", None),
+                                                  *_counter(call, ctx)), {}
+        return counter_dropout_block, (*head, *_counter(call, ctx)), {}
     tail = _whole_batch(call, ctx)
     if call.target == NATIVE_DROPOUT:
         return native_dropout_block, (*head, call.arg(2, "train", None), *tail), {}
@@ -302,7 +345,11 @@ def lower_dropout(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
 
 @lowering(*DRAWN_LIKE)
 def lower_drawn_like(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
-    """Draw the whole tensor from a stand-in of the whole input, keep the block."""
+    """Draw the whole tensor from a stand-in of the whole input, keep the block (counter
+    mode: compute the block)."""
+    if ctx.randomness == "counter":
+        return counter_drawn_like_block, (call.target, args[0], tuple(args[1:]), dict(kwargs),
+                                          *_counter(call, ctx)), {}
     return drawn_like_block, (call.target, args[0], tuple(args[1:]), dict(kwargs),
                               *_whole_batch(call, ctx)), {}
 
