@@ -54,7 +54,7 @@ Captured already, elsewhere (listed so that this docstring is the whole list):
 - `torch.library.custom_op` with `register_autograd`: CAPTURED (an op of the graph whose
   backward is the registered one).
 - dropout and torch's random ops: CAPTURED (ops of the graph; the runtime draws what one
-  device draws).
+  device draws: eager PyTorch's numbers, or in counter randomness autopar's).
 
 The gate costs a few dictionary look-ups per module call while tracing, reading the states of
 the Python generators a model can reach before and after the forward of each of its modules

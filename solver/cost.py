@@ -44,6 +44,7 @@ from autopar.passes.recompute import Recompute, saved_under_selective
 from autopar.passes.reshard import BUCKET_BYTES, ReshardError, Step, plan_steps, single_gather
 from autopar.passes.rules import LOWERINGS, TensorArg
 from autopar.passes.rules.attention import is_causal
+from autopar.passes.rules.random import counter_traffic
 from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, SNode, Strategy, StrategyGraph
 from autopar.passes.torch_compat import tree_map
 from autopar.passes.zero import zero_shard
@@ -67,9 +68,8 @@ INFEASIBLE = float("inf")
 # a conversion), and is written to memory.
 DRAW_FLOPS = 20.0
 # Counter randomness (passes/rules/counter_rng.py): about 16 int64 elementwise kernels per
-# element, each reading and writing 8 bytes (unfused eager kernels).
+# number (a quarter of them per dropout mask element); their bytes: `counter_traffic`.
 COUNTER_DRAW_OPS = 16.0
-COUNTER_DRAW_BYTES = 16 * 16.0
 
 
 class Split(NamedTuple):
@@ -541,7 +541,8 @@ class CostModel:
         tensor on every rank, whatever the sharding, and under gradient accumulation or a
         pipeline's m microbatches the whole batch's in every microbatch. Counter randomness:
         the rank's block under `strategy` (0 without one), COUNTER_DRAW_OPS integer ops and
-        COUNTER_DRAW_BYTES bytes moved per element (passes/rules/counter_rng.py, unfused)."""
+        the bytes `counter_traffic` moves per element (passes/rules/counter_rng.py,
+        unfused)."""
         n = drawn_elements(node)
         if not n:
             return 0.0
@@ -552,7 +553,7 @@ class CostModel:
             whole = numel(node.out_shapes[0])
             n = n * numel(out_local[0]) / whole if whole else 0
             return max(n * COUNTER_DRAW_OPS / self.hw.peak_flops(torch.float32),
-                       n * COUNTER_DRAW_BYTES / self.hw.memory_bandwidth)
+                       n * counter_traffic(node.call) / self.hw.memory_bandwidth)
         n *= self.accumulation
         dtype = self.dtype(node.out_dtypes[0])
         return max(n * DRAW_FLOPS / self.hw.peak_flops(dtype),
@@ -790,7 +791,7 @@ def _args_text(tree, tensor_type) -> str:
     return repr(leaves)
 
 
-__all__ = ["ALGO_FACTOR", "COUNTER_DRAW_BYTES", "COUNTER_DRAW_OPS", "DRAW_FLOPS", "DUAL",
+__all__ = ["ALGO_FACTOR", "COUNTER_DRAW_OPS", "DRAW_FLOPS", "DUAL",
            "INFEASIBLE", "NO_TIME", "CostModel",
            "OptimizerSpec", "Precision", "Split", "backward_factor", "drawn_elements", "is_view",
            "op_flops", "step_seconds"]

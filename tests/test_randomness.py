@@ -40,6 +40,13 @@ def test_counter_bits_are_splitmix64_of_key_and_index():
                                       for i in range(105)]
     # Stafford's Mix13 of a known value (SplitMix64 seeded with 0, first output)
     assert counter_rng.python_bits(0, 0) == 0xE220A8397B1DCDAF
+    # a dropout mask: element i kept by the 16-bit lane i mod 4 of word i div 4, whether the
+    # block is one run of the whole tensor (read as int16 lanes) or not (lane by lane)
+    want = torch.tensor([counter_rng.python_keep(key, 0.3, i) for i in range(6 * 10)])
+    want = want.view(6, 10)
+    for block in (((0, 6), (0, 10)), ((1, 3), (0, 10)), ((1, 3), (2, 5)), ((5, 1), (3, 1))):
+        where = tuple(slice(s, s + n) for s, n in block)
+        assert torch.equal(counter_rng.keep_mask(key, 0.3, (6, 10), block, "cpu"), want[where])
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1 << 22])

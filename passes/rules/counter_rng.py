@@ -17,13 +17,15 @@ and two steps, draw independent numbers, and every plan of the same model draws 
 from __future__ import annotations
 
 import math
+import sys
 import zlib
 from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["CHUNK", "DRAW_BYTES_PER_ELEMENT", "GAMMA", "bits", "integers", "keep_mask",
-           "mix64", "normal", "op_key", "python_bits", "uniform"]
+__all__ = ["CHUNK", "DRAW_BYTES_PER_ELEMENT", "GAMMA", "MASK_TRAFFIC", "NUMBER_TRAFFIC", "bits",
+           "integers", "keep_mask", "mix64", "normal", "op_key", "python_bits", "python_keep",
+           "uniform"]
 
 MASK64 = (1 << 64) - 1
 MASK32 = (1 << 32) - 1
@@ -32,6 +34,11 @@ _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 # Elements drawn at once: a chunk's int64 index, its bits and a temporary are live.
 CHUNK = 1 << 22
 DRAW_BYTES_PER_ELEMENT = 24
+# Bytes of memory traffic per element, unfused (each kernel reads and writes its int64s): a
+# number (`bits`: the index, 3 kernels keying it, 11 mixing it, 2 or 3 making the number) and
+# a dropout mask (`keep_mask`: a quarter of a number's hashing, then 2 kernels on int16 lanes)
+NUMBER_TRAFFIC = 17 * 16.0
+MASK_TRAFFIC = 15 * 16.0 / 4 + 7.0
 
 Block = tuple[tuple[int, int], ...]  # (start, length) per dimension of the whole tensor
 
@@ -102,14 +109,13 @@ def _index(shape: tuple[int, ...], block: Block, device) -> torch.Tensor:
     """The row-major index in a whole tensor of `shape` of each element of `block` (int64,
     the block's shape)."""
     lengths = tuple(n for _, n in block)
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    first = sum(s * k for (s, _), k in zip(block, strides))
-    last = sum((s + n - 1) * k for (s, n), k in zip(block, strides))
-    if last - first + 1 == math.prod(lengths):  # one run of the whole tensor
-        return torch.arange(first, last + 1, dtype=torch.int64, device=device).view(lengths)
+    first, count = _run(shape, block)
+    if count is not None:  # one run of the whole tensor
+        return torch.arange(first, first + count, dtype=torch.int64, device=device).view(lengths)
     index = torch.full(lengths, first, dtype=torch.int64, device=device)
-    for d, ((_, n), k) in enumerate(zip(block, strides)):
+    for d, (_, n) in enumerate(block):
         if n > 1:
+            k = math.prod(shape[d + 1:])
             ax = torch.arange(0, n * k, k, dtype=torch.int64, device=device)
             index.add_(ax.view(n, *([1] * (len(shape) - 1 - d))))
     return index
@@ -134,11 +140,57 @@ def _draw(key: int, shape: tuple[int, ...], block: Block, dtype: torch.dtype, de
 
 def keep_mask(key: int, p: float, shape: tuple[int, ...], block: Block, device
               ) -> torch.Tensor:
-    """Dropout's boolean keep mask of `block`: each element kept with probability 1 - p (to
-    2**-32: kept where its high 32 bits are at least ceil(p * 2**32))."""
-    threshold = math.ceil(p * 2**32)
-    return _draw(key, shape, block, torch.bool, device,
-                 lambda z, _: z.bitwise_right_shift_(32).bitwise_and_(MASK32) >= threshold)
+    """Dropout's boolean keep mask of `block`: element i is kept where the 16 bits of lane
+    i mod 4 of word i div 4 (bits 16 (i mod 4) to 16 (i mod 4) + 15 of the word's 64 random
+    bits) are at least ceil(p * 2**16), with probability 1 - p to 2**-16
+    (`python_keep`). Four elements share one word's bits, so a mask costs a quarter of the
+    hashing: a block that is one run of the whole tensor reads the words' bits as int16
+    lanes directly; any other block computes each element's lane."""
+    threshold = math.ceil(p * 2**16)
+    lengths = tuple(n for _, n in block)
+    if threshold <= 0 or threshold >= 2**16:
+        return torch.full(lengths, threshold <= 0, dtype=torch.bool, device=device)
+    first, count = _run(shape, block)
+    if count is None or sys.byteorder != "little":
+        return _draw(key, shape, block, torch.bool, device,
+                     lambda _, chunk: _lanes(key, shape, chunk, device) >= threshold)
+    out = torch.empty(lengths, dtype=torch.bool, device=device)
+    flat = out.view(-1)
+    words = max(1, CHUNK // 4)
+    for w in range(first // 4, (first + count - 1) // 4 + 1, words):
+        end = min(w + words, (first + count - 1) // 4 + 1)
+        z = torch.arange(w, end, dtype=torch.int64, device=device)
+        lanes = _mix64_(z.add_(1).mul_(_signed(GAMMA)).add_(_signed(key))).view(torch.int16)
+        # unsigned lane >= threshold, compared as signed int16 with the sign bit flipped
+        keep = lanes.bitwise_xor_(-(2**15)) >= threshold - 2**15
+        a, b = max(4 * w, first), min(4 * end, first + count)
+        flat[a - first:b - first] = keep[a - 4 * w:b - 4 * w]
+    return out
+
+
+def _run(shape: tuple[int, ...], block: Block) -> tuple[int, int | None]:
+    """(row-major index of `block`'s first element, its elements when the block is one run
+    of the whole tensor, else None)."""
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    first = sum(s * k for (s, _), k in zip(block, strides))
+    last = sum((s + n - 1) * k for (s, n), k in zip(block, strides))
+    count = math.prod(n for _, n in block)
+    return first, count if last - first + 1 == count else None
+
+
+def _lanes(key: int, shape: tuple[int, ...], block: Block, device) -> torch.Tensor:
+    """The 16 bits of each element's lane (`keep_mask`), as int64 in [0, 2**16)."""
+    index = _index(shape, block, device)
+    lane = index.bitwise_and(3).mul_(16)
+    z = _mix64_(index.bitwise_right_shift_(2).add_(1).mul_(_signed(GAMMA)).add_(_signed(key)))
+    return torch.bitwise_right_shift(z, lane).bitwise_and_(0xFFFF)
+
+
+def python_keep(key: int, p: float, index: int) -> bool:
+    """Whether element `index` of a dropout mask with `key` is kept, in plain Python: the
+    definition `keep_mask` must match."""
+    lanes = python_bits(key, index // 4)
+    return (lanes >> (16 * (index % 4))) & 0xFFFF >= math.ceil(p * 2**16)
 
 
 def _fraction_bits(dtype: torch.dtype) -> int:

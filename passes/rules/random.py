@@ -72,8 +72,8 @@ RANDOM_OPS = [DROPOUT, NATIVE_DROPOUT, *DRAWN_LIKE]
 # `empty_like(input).bernoulli_(1 - p).div_(1 - p)`.
 FUSED_DROPOUT_DEVICES = ("cuda", "xpu", "lazy", "privateuseone")
 
-__all__ = ["DRAWN_LIKE", "RANDOM_OPS", "REPLAYS", "counter_dropout_block", "draw_mask",
-           "drawn_dtype", "draws_of", "dropout_draws", "replay"]
+__all__ = ["DRAWN_LIKE", "RANDOM_OPS", "REPLAYS", "counter_dropout_block", "counter_traffic",
+           "draw_mask", "drawn_dtype", "draws_of", "dropout_draws", "replay"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,6 +312,13 @@ def counter_drawn_like_block(op, x: torch.Tensor, args: tuple, kwargs: dict, nam
     if op == aten.bernoulli.p:
         return (u < float(args[0] if args else kwargs.get("p", 0.5))).to(dtype)
     return u.to(dtype)
+
+
+def counter_traffic(call: OpCall) -> float:
+    """Bytes of memory traffic per element a counter draw of `call` moves (unfused): a mask
+    for dropout and SDPA's dropout, numbers for the others (counter_rng)."""
+    masks = (DROPOUT, NATIVE_DROPOUT, aten.scaled_dot_product_attention.default)
+    return counter_rng.MASK_TRAFFIC if call.target in masks else counter_rng.NUMBER_TRAFFIC
 
 
 def _counter(call: OpCall, ctx: LocalContext) -> tuple:
