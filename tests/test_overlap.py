@@ -182,19 +182,19 @@ def test_an_exact_re_solve_that_finds_nothing_faster_leaves_the_weighted_ones_to
     on Llama-3 70B over 512 x 2 H100s: "optimal" at three times the relaxed plan's step), the
     solves weighing side seconds against critical ones still run, as when the exact solve
     finds nothing: both give the same answer."""
-    from autopar.solver import ilp
+    from autopar.solver import ilp, ilp_rows
     from autopar.solver.cost import NO_TIME
 
     graph, cost, budget = _slow_overlapped_mlp()
-    real, solve_real = ilp._overlapped_passes, ilp._solve
+    real, solve_real = ilp_rows.overlapped_passes, ilp._solve
     shares = []
-    monkeypatch.setattr(ilp, "_solve", lambda *a, **k: shares.append(k.get("side_share"))
-                        or solve_real(*a, **k))
+    monkeypatch.setattr(ilp, "_solve", lambda task, how, *a: shares.append(how.side_share)
+                        or solve_real(task, how, *a))
 
     def blind(prog, side, scale, edge, unit):  # the exact rows, side seconds unseen
         real(prog, [(var, NO_TIME) for var, _ in side], scale, edge, unit)
 
-    monkeypatch.setattr(ilp, "_overlapped_passes", blind)
+    monkeypatch.setattr(ilp_rows, "overlapped_passes", blind)
     blinded = solve(graph, cost, memory_budget=budget)
     # relaxed, exact (blind), then the first weight
     assert shares[:3] == [None, None, ilp.SCALARIZED[0]]
@@ -203,7 +203,7 @@ def test_an_exact_re_solve_that_finds_nothing_faster_leaves_the_weighted_ones_to
     def nothing(*a):
         raise ilp.NoFeasiblePlan("no plan in time")
 
-    monkeypatch.setattr(ilp, "_overlapped_passes", nothing)
+    monkeypatch.setattr(ilp_rows, "overlapped_passes", nothing)
     assert solve(graph, cost, memory_budget=budget).choice == blinded.choice
 
 
@@ -221,9 +221,9 @@ def test_large_problems_skip_the_exact_solve_for_weighted_ones(monkeypatch):
     shares, plans = [], []
     solve_real = ilp._solve
 
-    def recorded(*a, **k):
-        sol = solve_real(*a, **k)
-        shares.append(k.get("side_share"))
+    def recorded(task, how, *a):
+        sol = solve_real(task, how, *a)
+        shares.append(how.side_share)
         plans.append(sol)
         return sol
 

@@ -135,11 +135,12 @@ def llama8b_pair():
 def _counted_solves(monkeypatch) -> tuple[list, list]:
     """Lists that grow by one at each pricing of the ILP and each solve of solve_plan."""
     from autopar import planner
-    from autopar.solver import ilp
+    from autopar.solver import owner_problem
 
     priced, solves = [], []
-    owner_problem, solve = ilp._owner_problem, planner.solve
-    monkeypatch.setattr(ilp, "_owner_problem", lambda *a: priced.append(1) or owner_problem(*a))
+    build, solve = owner_problem.build_owner_problem, planner.solve
+    monkeypatch.setattr(owner_problem, "build_owner_problem",
+                        lambda *a: priced.append(1) or build(*a))
     monkeypatch.setattr(planner, "solve", lambda *a, **k: solves.append(1) or solve(*a, **k))
     return priced, solves
 
