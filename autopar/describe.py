@@ -26,16 +26,16 @@ from autopar.passes.strategies import (
 )
 from autopar.passes.trace import TracedProgram
 from autopar.solver.cost import CostModel, Split, step_seconds
-from autopar.solver.ilp import (
+from autopar.solver.ilp import Solution
+from autopar.solver.memory import exact_memory
+from autopar.solver.plan_prices import (
     Edge,
-    Solution,
     edge_key,
     loss_sink_time,
     plan_split,
     plan_time,
     price_key,
 )
-from autopar.solver.memory import exact_memory
 
 from .choice import candidates_fingerprint, fingerprint, strategy_ids
 from .mesh import MeshSpec
@@ -52,7 +52,7 @@ def describe(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost:
              twin: dict[str, str] | None = None) -> Plan:
     """The Plan for a complete assignment of strategies (from the solver or given);
     `memory`, when given, is its `exact_memory`. Twins (`twin`: the clustering's, see
-    solver/ilp.py `price_key`) choosing alike are priced once, as in the ILP."""
+    solver/plan_prices.py `price_key`) choosing alike are priced once, as in the ILP."""
     index = strategy_ids(graph, choice)
     walk = _walk(program, graph, mesh, cost, choice, index, twin)
     comm = walk.comm

@@ -30,8 +30,9 @@ from autopar.passes.pipeline_split import LayerBlocks, layer_blocks
 from autopar.passes.strategies import OP, Strategy, StrategyGraph
 from autopar.passes.styles import allowed_strategies
 from autopar.passes.trace import TracedProgram
+from autopar.solver.assignments import random_choice
 from autopar.solver.cost import CostModel
-from autopar.solver.ilp import NoFeasiblePlan, random_choice
+from autopar.solver.ilp import NoFeasiblePlan
 from autopar.solver.stage_pricing import (
     activation_scaled,
     price_blocks,

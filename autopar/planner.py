@@ -29,17 +29,13 @@ from autopar.passes.styles import allowed_strategies
 from autopar.passes.trace import TracedProgram
 from autopar.solver import resharding
 from autopar.solver.alternatives import alternatives, compact
+from autopar.solver.assignments import random_choice
 from autopar.solver.cost import CostModel
 from autopar.solver.diagnose import infeasible
-from autopar.solver.ilp import (
-    NoFeasiblePlan,
-    compute_floor,
-    priced_problem,
-    random_choice,
-    relaxed_bound,
-    solve,
-)
+from autopar.solver.ilp import NoFeasiblePlan, relaxed_bound, solve
 from autopar.solver.memory import exact_memory, node_infos
+from autopar.solver.owner_problem import priced_problem
+from autopar.solver.plan_prices import compute_floor
 from autopar.solver.stages import divisors
 
 from .choice import choice_from_plan, kept_storage
@@ -491,7 +487,7 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
 def level_floor(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
                 recompute: str) -> float:
     """Seconds of compute per microbatch below which no plan of `program` recomputing
-    `recompute` goes (solver/ilp.py `compute_floor`)."""
+    `recompute` goes (solver/plan_prices.py `compute_floor`)."""
     graph, cost = priced_level(program, mesh, options, recompute)
     return compute_floor(graph, cost, clustered(program, graph).twin)
 
