@@ -276,13 +276,31 @@ def drawn_like_block(op, x: torch.Tensor, args: tuple, kwargs: dict, shape: tupl
 # Counter mode: each rank computes its block from the step's key
 # ---------------------------------------------------------------------------------------------
 
+class _Kept(torch.autograd.Function):
+    """x where `mask` keeps it (else 0) times `scale`, and the same of the gradient times
+    `backward_scale`: dropout without a temporary of the input's size (a product with the
+    boolean mask would first cast it to the input's dtype)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mask: torch.Tensor, scale: float,
+                backward_scale: float) -> torch.Tensor:
+        ctx.save_for_backward(mask)
+        ctx.backward_scale = backward_scale
+        return torch.where(mask, x, 0.0).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        return torch.where(mask, grad, 0.0).mul_(ctx.backward_scale), None, None, None
+
+
 def counter_dropout_block(x: torch.Tensor, p: float, name: str, shape: tuple[int, ...],
                           block: tuple[tuple[int, int], ...], shift=None) -> torch.Tensor:
     """Dropout of this rank's block `x` of the whole input (of `shape`): the keep mask of
     the block, computed from the key of op `name` this step (counter_rng.keep_mask)."""
     mask = counter_rng.keep_mask(STREAM.op_key(name), p, shape, STREAM.shifted(block, shift),
                                  x.device)
-    return _MaskAndScale.apply(x, mask, p, _scale(p))
+    return _Kept.apply(x, mask, _scale(p), _scale(p))
 
 
 def counter_native_dropout_block(x: torch.Tensor, p: float, train: bool | None, name: str,
@@ -291,7 +309,7 @@ def counter_native_dropout_block(x: torch.Tensor, p: float, train: bool | None, 
     """aten.native_dropout(x, p, train) of this rank's block, with the counter mask."""
     mask = counter_rng.keep_mask(STREAM.op_key(name), p, shape, STREAM.shifted(block, shift),
                                  x.device)
-    return _MaskAndScale.apply(x, mask, p, 1.0 if train is None else _scale(p)), mask
+    return _Kept.apply(x, mask, _scale(p), 1.0 if train is None else _scale(p)), mask
 
 
 def counter_drawn_like_block(op, x: torch.Tensor, args: tuple, kwargs: dict, name: str,
