@@ -22,12 +22,7 @@ import torch
 
 from .counter_rng import op_key
 
-__all__ = ["MODES", "STREAM", "RandomStream", "draw_step_key"]
-
-# "eager": every rank draws the whole tensor of each random op from the default generator and
-# keeps its block (bit for bit eager PyTorch on one device); "counter": each rank computes its
-# block from the step's key (the same numbers under every plan and mesh, at a block's cost).
-MODES = ("eager", "counter")
+__all__ = ["STREAM", "RandomStream", "draw_step_key"]
 
 
 def draw_step_key(device: torch.device) -> int:

@@ -103,7 +103,7 @@ class LocalContext:
     # this op's output carries the batch on that dimension (random ops draw the whole batch's
     # tensor; passes/rules/random.py). None: the program runs on the whole batch.
     microbatches: tuple[int, int] | None = None
-    # how random ops draw (passes/rules/random_stream.py MODES): "eager" draws each whole
+    # how random ops draw (passes/rules/random.py): "eager" draws each whole
     # tensor from the default generator, "counter" this rank's block from the step's key
     randomness: str = "eager"
 
