@@ -1,13 +1,15 @@
 """Pipeline plans of a model with dropout on simulated H100s: what the draws cost.
 
     python -m benchmarks.pipeline_dropout [--layers 12] [--batch 64] [--seq 1024]
+                                          [--randomness eager|counter]
 
-Under a pipeline every microbatch draws the whole batch's dropout masks of its stage (so that
-the model trains with one device's numbers), and every pp rank draws all stages' masks once
-more per step. This plans GPT-2 (124M: 12 layers of 768, vocabulary 50257, built on the meta
-device) with dropout 0.1 and without it on MeshSpec((4, 2), names=("pp", "dp")), the solver
-choosing schedule, microbatches and cuts, then prices the dropout model at every microbatch
-count the solver considers for 1F1B. No processes, no GPUs.
+In eager randomness every microbatch draws the whole batch's dropout masks of its stage (so
+that the model trains with one device's numbers), and every pp rank draws all stages' masks
+once more per step; in counter randomness a microbatch computes its own block of them. This
+plans GPT-2 (124M: 12 layers of 768, vocabulary 50257, built on the meta device) with dropout
+0.1 and without it on MeshSpec((4, 2), names=("pp", "dp")), the solver choosing schedule,
+microbatches and cuts, then prices the dropout model at every microbatch count the solver
+considers for 1F1B. No processes, no GPUs.
 """
 
 from __future__ import annotations
@@ -47,16 +49,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--counts", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    ap.add_argument("--randomness", default="auto", help="auto, eager or counter")
     args = ap.parse_args()
     print("| model | schedule | microbatches | virtual stages | step ms | compute ms "
           "| planned in s |")
     print("|---|---|---|---|---|---|---|")
     for dropout in (0.0, 0.1):
-        plan, seconds = plan_gpt2(dropout, args.layers, args.batch, args.seq)
+        plan, seconds = plan_gpt2(dropout, args.layers, args.batch, args.seq,
+                                  randomness=args.randomness)
         print(row(f"dropout {dropout}, free", plan, seconds), flush=True)
     for m in args.counts:
         plan, seconds = plan_gpt2(0.1, args.layers, args.batch, args.seq, microbatches=m,
-                                  schedule="1f1b")
+                                  schedule="1f1b", randomness=args.randomness)
         print(row(f"dropout 0.1, 1F1B x {m}", plan, seconds), flush=True)
 
 
