@@ -67,7 +67,8 @@ class PlanOptions:
                       generator a step): the same numbers under every plan, mesh and
                       microbatch count, equal to autopar on one device, at a block's cost;
                       "auto" (the default): "eager" while the largest random op's whole tensor
-                      has at most EAGER_DRAW_LIMIT elements, else "counter"
+                      has at most EAGER_DRAW_LIMIT elements; above, "counter", or "eager"
+                      where its whole draws fit and the planner prices it faster
     Pipelines (a mesh dimension named "pp"):
       schedule ("gpipe", "1f1b", "interleaved"), virtual_stages
     Inputs:

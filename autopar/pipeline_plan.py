@@ -52,7 +52,7 @@ from autopar.solver.stages import (
 
 from .choice import kept_storage
 from .collector import planning
-from .costing import cost_model, measured, profiler
+from .costing import cost_model, eager_could_fit, measured, profiler
 from .describe import describe
 from .force import stage_styles
 from .mesh import MeshSpec
@@ -140,6 +140,22 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
     parameters stored where `running` stores them.
     """
     options = options or PlanOptions()
+    plan, graph = _solve_pipeline_plan(trace_at, batch, mesh, options, running)
+    if options.randomness != "auto" or running is not None or \
+            not eager_could_fit(plan, graph, mesh, options):
+        return plan
+    try:  # the faster of counter and eager draws (autopar/planner.py solve_accumulated)
+        eager, _ = _solve_pipeline_plan(trace_at, batch, mesh,
+                                        dataclasses.replace(options, randomness="eager"), None)
+    except (NoFeasiblePlan, StageError):
+        return plan
+    return eager if eager.cost.step_time < plan.cost.step_time else plan
+
+
+def _solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, options: PlanOptions,
+                         running: Plan | None) -> tuple[Plan, StrategyGraph]:
+    """`solve_pipeline_plan` in the randomness `options` say; the plan and the graph of one
+    microbatch."""
     _refuse_options(options)
     kept = running.pipeline if running is not None else None
     microbatches = options.microbatches
@@ -161,7 +177,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
     stages, choice, draw = _solve_stages(cut, at, running)
     plan = _pipelined(cut, stages, choice, at, batch)
     return dataclasses.replace(plan, solve_time=time.perf_counter() - start,
-                               solver="random" if draw else options.solver.upper())
+                               solver="random" if draw else options.solver.upper()), cut.graph
 
 
 def _refuse_options(options: PlanOptions) -> None:

@@ -40,7 +40,7 @@ from autopar.solver.stages import divisors
 
 from .choice import choice_from_plan, kept_storage
 from .collector import planning
-from .costing import cost_model, measured, profiler
+from .costing import cost_model, eager_could_fit, measured, profiler
 from .describe import describe
 from .force import styles_by_dim
 from .inputs import indivisible
@@ -340,12 +340,27 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
     program) the whole batch, always.
 
     One microbatch count at a time (`plan_round`): a mesh search plans the counts of its
-    candidates as separate tasks, with the same decisions."""
+    candidates as separate tasks, with the same decisions.
+
+    Under `randomness="auto"`, a plan that draws in counter mode is planned once more with
+    eager draws where their whole tensors fit (`eager_could_fit`), and the faster of the two
+    is kept: the solver is not beaten by the mode a user could have forced."""
     options = options or PlanOptions()
-    rounds = start_rounds(batch, options, accumulate)
-    while not rounds.done:
-        rounds = plan_round(trace_at, mesh, options, rounds, storage=storage, zero=zero)
-    return rounds.result()
+
+    def accumulated(opts: PlanOptions):
+        rounds = start_rounds(batch, opts, accumulate)
+        while not rounds.done:
+            rounds = plan_round(trace_at, mesh, opts, rounds, storage=storage, zero=zero)
+        return rounds.result()
+
+    found = accumulated(options)
+    if options.randomness != "auto" or not eager_could_fit(found[0], found[1], mesh, options):
+        return found
+    try:
+        eager = accumulated(dataclasses.replace(options, randomness="eager"))
+    except NoFeasiblePlan:
+        return found
+    return eager if eager[0].cost.step_time < found[0].cost.step_time else found
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.costing import EAGER_DRAW_LIMIT, randomness
+from autopar.costing import EAGER_DRAW_LIMIT, eager_could_fit, randomness
 from autopar.passes import strategies
 from autopar.passes.rules import counter_rng
 from autopar.passes.rules.random import counter_drawn_like_block, counter_dropout_block
@@ -224,3 +224,26 @@ def test_counter_randomness_trains_alike_under_every_plan(world2, world4, name):
         assert run["losses"] == pytest.approx(reference["losses"], rel=1e-12)
         for k, want in reference["parameters"].items():
             torch.testing.assert_close(run["parameters"][k], want, rtol=1e-9, atol=1e-12)
+
+
+def test_auto_keeps_the_faster_mode_the_planner_prices():
+    """Above EAGER_DRAW_LIMIT, "auto" plans eager draws too where their whole tensors fit in
+    half the budget, and keeps the faster plan: never slower than a mode forced by hand. Where
+    the whole draw does not fit, eager is not tried."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Dropout(0.1), nn.Linear(1024, 1024))
+        x, y = torch.empty(2**15, 1024), torch.empty(2**15, 1024)  # 2**25 elements dropped
+    spec = autopar.MeshSpec((2,), hardware="h100")
+    plans = {mode: autopar.plan(model, spec, (x, y), loss_fn=F.mse_loss, randomness=mode)
+             for mode in ("auto", "eager", "counter")}
+    fastest = min(("eager", "counter"), key=lambda m: plans[m].cost.step_time)
+    assert plans["auto"].randomness == fastest
+    assert plans["auto"].cost.step_time == plans[fastest].cost.step_time
+    counter = plans["counter"]
+    graph = _graph(nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.1)), torch.randn(8, 16),
+                   torch.randn(8, 64))
+    whole = 8 * 64 * (2 * 4 + 1)  # the eager lowering's bytes of the whole draw
+    options = autopar.PlanOptions(memory_budget=2 * whole)
+    assert eager_could_fit(counter, graph, spec, options)
+    assert not eager_could_fit(counter, graph, spec,
+                               autopar.PlanOptions(memory_budget=2 * whole - 1))
