@@ -131,6 +131,11 @@ def test_microbatches_draw_their_rows_of_the_whole_batch():
                                                    (0, 2)))
     assert torch.equal(torch.cat(parts), whole) and torch.equal(torch.cat(noises), noise)
     assert set(whole.unique().tolist()) == {0.0, 2.0} and noise.dtype == torch.float64
+    with STREAM.step(torch.device("cpu"), counter=True):  # low precision: still below 1
+        low = counter_drawn_like_block(aten.rand_like.default, torch.ones(256, 256,
+                                       dtype=torch.bfloat16), (), {}, "rand_like",
+                                       (256, 256), ((0, 256), (0, 256)))
+    assert low.dtype == torch.bfloat16 and 0 <= low.min() and low.max() < 1
 
 
 def _graph(model, x, y, mesh=(2,)):

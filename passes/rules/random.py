@@ -325,11 +325,12 @@ def counter_drawn_like_block(op, x: torch.Tensor, args: tuple, kwargs: dict, nam
     if op in (aten.randint_like.default, aten.randint_like.low_dtype):
         low, high = (0, args[0]) if op == aten.randint_like.default else args[:2]
         return counter_rng.integers(key, int(low), int(high), shape, block, dtype, x.device)
-    u = counter_rng.uniform(key, shape, block, torch.float64 if dtype == torch.float64
-                            else torch.float32, x.device)
     if op == aten.bernoulli.p:
+        u = counter_rng.uniform(key, shape, block, torch.float64 if dtype == torch.float64
+                                else torch.float32, x.device)
         return (u < float(args[0] if args else kwargs.get("p", 0.5))).to(dtype)
-    return u.to(dtype)
+    # in the dtype's own bits: exact there, never rounded up to 1
+    return counter_rng.uniform(key, shape, block, dtype, x.device)
 
 
 def counter_traffic(call: OpCall) -> float:
