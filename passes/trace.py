@@ -4,6 +4,21 @@ The graph is what torch.export (non-strict) produces as training IR, cleaned so 
 see one flat graph: higher-order wrappers that only toggle grad mode are inlined, and metadata
 assertions are dropped. Every call_function node carries ``meta["val"]`` (a FakeTensor or a tuple
 of them).
+
+Folding (`trace`'s `fold`, `beside`, `deferred`, `copies`): a stack of identical layers
+(passes/fold.py) is exported cut to two layers and the second copied for the others, when a
+recorded run on fake tensors shows that this gives the graph export would. With `beside`, a
+stack of at least BESIDE_LAYERS layers is checked in a forked child process while this one
+exports two layers and copies them (passes/forked.py; on a CPU device, where the machine has a
+second core): the whole model's record is most of a deep model's tracing time. When the check
+says the layers differ, the whole model is exported instead. With `deferred` (a list) as well,
+the check still running when the two layers are exported is appended to it instead of waited
+for: the program returned is then valid only if its `result()` is True (layers that differ:
+trace again with `fold=False`), and the caller must call `result()` or `cancel()` on it. With
+`copies` the caller knows the stack's layers to be copies (checked on this model at another
+batch, or being checked with the caller waiting for that check): not checked. Only the stack's
+first two layers are copied to fake tensors (the export's; the model's parameter names come
+from `model`).
 """
 
 from __future__ import annotations
@@ -246,26 +261,10 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, example_target=
     are that dtype (the runtime feeds casts of the float32 master weights), floating-point
     inputs are cast to it and outputs back to float32 inside the graph.
 
-    A stack of identical layers (`fold`, passes/fold.py) is exported cut to two layers and
-    the second copied for the others, when a recorded run on fake tensors shows that this
-    gives the graph export would. With `beside`, a stack of at least BESIDE_LAYERS layers is
-    checked in a forked child process while this one exports two layers and copies them
-    (passes/forked.py; on a CPU device, where the machine has a second core): the whole
-    model's record is most of a deep model's tracing time. When the check says the layers
-    differ, the whole model is exported instead. With `deferred` (a list) as well, the check
-    still running when the two layers are exported is appended to it instead of waited for:
-    the program returned is then valid only if its `result()` is True (layers that differ:
-    trace again with `fold=False`), and the caller must call `result()` or `cancel()` on it.
-    With `copies` the caller knows the stack's layers to be copies (checked on this model at
-    another batch, or being checked with the caller waiting for that check): not checked.
-    Only the stack's first two layers are copied to fake tensors (the export's; the model's
-    parameter names come from `model`). With `source` (the model `model` copies, which
-    `loss_fn` may read) the loss function reads the traced tensors where it reads `source`'s
-    (`lent`); a read of a layer traced as a copy exports every layer.
-
-    Long because this docstring is the whole contract of a trace; the steps below are 70
-    lines, each one call: inputs checked, the fake copy, the loss wrapped, the fold's check,
-    the export.
+    A stack of identical layers is exported as two layers copied (`fold`, `beside`,
+    `deferred`, `copies`: the module docstring's "Folding"). With `source` (the model `model`
+    copies, which `loss_fn` may read) the loss function reads the traced tensors where it
+    reads `source`'s (`lent`); a read of a layer traced as a copy exports every layer.
 
     Raises TraceError naming the model's source line for data-dependent control flow and
     data-dependent shapes, for inputs that are not tensors, for a loss that is not one scalar
