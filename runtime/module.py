@@ -100,12 +100,14 @@ class ParallelModule:
         # generator where one device's whole batch leaves it. Counter randomness: one key a
         # step, whatever the microbatches.
         rng = _Generator(device) if m > 1 and not self._counter else None
-        start = generator_state(device)
+        start = rng.start if rng is not None else \
+            generator_state(device) if self._counter else None
         try:
             with STREAM.step(device, self._counter):
                 return self._step(microbatches, weights, rng)
         except BaseException:
-            set_generator_state(device, start)  # a failed step leaves the generator as it was
+            if start is not None:  # a failed step leaves the generator where it began
+                set_generator_state(device, start)
             raise
 
     def _step(self, microbatches, weights, rng) -> torch.Tensor:

@@ -24,6 +24,7 @@ from autopar.passes.torch_compat import tree_map
 from .efficiency import attention_rate, matmul_efficiency, product_dims
 from .flops import backward_factor, drawn_elements, facts, is_view, op_flops
 from .graph_facts import graph_facts
+from .memory import block_share
 from .specs import numel
 from .traffic import accumulation_bytes, broadcasts, grad_kernels, kernel_bytes, widens
 
@@ -276,9 +277,7 @@ class ComputePrices:
         if self.randomness == "counter":
             if strategy is None:
                 return 0.0
-            _, out_local = self.local_shapes(node, strategy)
-            whole = numel(node.out_shapes[0])
-            n = n * numel(out_local[0]) / whole if whole else 0
+            n = n * block_share(self, node, strategy)
             return max(n * COUNTER_DRAW_OPS / self.hw.peak_flops(torch.float32),
                        n * counter_traffic(node.call) / self.hw.memory_bandwidth)
         n *= self.accumulation

@@ -173,7 +173,7 @@ def draw_bytes(graph: StrategyGraph, cost: Prices,
         n = f.draws(v.call)
         if n and counter:
             if choice is not None:
-                n = n * _block_share(cost, v, choice[v.name])
+                n = n * block_share(cost, v, choice[v.name])
             most = max(most, min(n, CHUNK) * DRAW_BYTES_PER_ELEMENT)
         elif n:
             size = cost.dtype(v.out_dtypes[0]).itemsize
@@ -181,7 +181,7 @@ def draw_bytes(graph: StrategyGraph, cost: Prices,
     return float(most)
 
 
-def _block_share(cost: Prices, v: SNode, s: Strategy) -> float:
+def block_share(cost: Prices, v: SNode, s: Strategy) -> float:
     """The fraction of `v`'s (first) output this rank holds under `s`."""
     _, out_local = cost.local_shapes(v, s)
     whole = math.prod(v.out_shapes[0])

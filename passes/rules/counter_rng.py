@@ -24,11 +24,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 __all__ = ["CHUNK", "DRAW_BYTES_PER_ELEMENT", "GAMMA", "MASK_TRAFFIC", "NUMBER_TRAFFIC", "bits",
-           "integers", "keep_mask", "mix64", "normal", "op_key", "python_bits", "python_keep",
-           "uniform"]
+           "integers", "keep_mask", "normal", "op_key", "python_bits", "python_keep", "uniform"]
 
 MASK64 = (1 << 64) - 1
-MASK32 = (1 << 32) - 1
 GAMMA = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 # Elements drawn at once: a chunk's int64 index, its bits and a temporary are live.
@@ -54,13 +52,15 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def mix64(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finalizer (Stafford's Mix13) on int64 `z`, elementwise, wrapping."""
-    return _mix64_(z.clone())
+def _hash_(counters: torch.Tensor, key: int) -> torch.Tensor:
+    """The 64 random bits of each of `counters` (int64 element or word indices, overwritten
+    in place): `mix64(key + (counter + 1) * GAMMA)`."""
+    return _mix64_(counters.add_(1).mul_(_signed(GAMMA)).add_(_signed(key)))
 
 
 def _mix64_(z: torch.Tensor) -> torch.Tensor:
-    """`mix64` in place, with one temporary (fresh tensors cost page faults on a CPU)."""
+    """SplitMix64's finalizer (Stafford's Mix13) on int64 `z`, elementwise, wrapping, in place,
+    with one temporary (fresh tensors cost page faults on a CPU)."""
     t = torch.empty_like(z)
     for shift, factor in ((30, _signed(_M1)), (27, _signed(_M2)), (31, None)):
         torch.bitwise_right_shift(z, shift, out=t)
@@ -71,7 +71,7 @@ def _mix64_(z: torch.Tensor) -> torch.Tensor:
 
 
 def _mix_int(z: int) -> int:
-    """`mix64` on one Python integer (mod 2**64)."""
+    """`_mix64_` on one Python integer (mod 2**64)."""
     z &= MASK64
     z = ((z ^ (z >> 30)) * _M1) & MASK64
     z = ((z ^ (z >> 27)) * _M2) & MASK64
@@ -124,8 +124,7 @@ def _index(shape: tuple[int, ...], block: Block, device) -> torch.Tensor:
 def bits(key: int, shape: tuple[int, ...], block: Block, device) -> torch.Tensor:
     """The 64 random bits (int64) of each element of `block` of a draw of `shape` with `key`
     (one chunk: callers go through `_draw`)."""
-    z = _index(shape, block, device).add_(1).mul_(_signed(GAMMA)).add_(_signed(key))
-    return _mix64_(z)
+    return _hash_(_index(shape, block, device), key)
 
 
 def _draw(key: int, shape: tuple[int, ...], block: Block, dtype: torch.dtype, device,
@@ -159,8 +158,8 @@ def keep_mask(key: int, p: float, shape: tuple[int, ...], block: Block, device
     words = max(1, CHUNK // 4)
     for w in range(first // 4, (first + count - 1) // 4 + 1, words):
         end = min(w + words, (first + count - 1) // 4 + 1)
-        z = torch.arange(w, end, dtype=torch.int64, device=device)
-        lanes = _mix64_(z.add_(1).mul_(_signed(GAMMA)).add_(_signed(key))).view(torch.int16)
+        words_bits = _hash_(torch.arange(w, end, dtype=torch.int64, device=device), key)
+        lanes = words_bits.view(torch.int16)
         # unsigned lane >= threshold, compared as signed int16 with the sign bit flipped
         keep = lanes.bitwise_xor_(-(2**15)) >= threshold - 2**15
         a, b = max(4 * w, first), min(4 * end, first + count)
@@ -182,7 +181,7 @@ def _lanes(key: int, shape: tuple[int, ...], block: Block, device) -> torch.Tens
     """The 16 bits of each element's lane (`keep_mask`), as int64 in [0, 2**16)."""
     index = _index(shape, block, device)
     lane = index.bitwise_and(3).mul_(16)
-    z = _mix64_(index.bitwise_right_shift_(2).add_(1).mul_(_signed(GAMMA)).add_(_signed(key)))
+    z = _hash_(index.bitwise_right_shift_(2), key)
     return torch.bitwise_right_shift(z, lane).bitwise_and_(0xFFFF)
 
 

@@ -5,7 +5,7 @@ plain FX code, which cannot carry an object of its own to each op):
 
 - `microbatch`: the microbatch of the step the programs run now (0 outside gradient
   accumulation and pipelines). A random op whose output carries the batch draws for the whole
-  batch and keeps the rows of this microbatch (passes/rules/random.py `shifted`).
+  batch and keeps the rows of this microbatch (`shifted`).
 - `key`: in the "counter" mode of randomness, the step's key, drawn once a step from the
   default generator of the inputs' device (`step`); each op's numbers are a function of it,
   of the op and of the element's index in the whole tensor (passes/rules/counter_rng.py).
