@@ -20,6 +20,7 @@ The story goes on in:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from autopar.passes import strategies as strat_pass
 from autopar.passes.batch_local import split_problem
 from autopar.passes.pipeline_split import LayerBlocks, layer_blocks
-from autopar.passes.strategies import OP, Strategy, StrategyGraph
+from autopar.passes.strategies import OP, PARAM, Strategy, StrategyGraph
 from autopar.passes.styles import allowed_strategies
 from autopar.passes.trace import TracedProgram
 from autopar.solver.assignments import random_choice
@@ -35,6 +36,7 @@ from autopar.solver.cost import CostModel
 from autopar.solver.ilp import NoFeasiblePlan
 from autopar.solver.stage_pricing import (
     activation_scaled,
+    price,
     price_blocks,
     price_pipeline,
     solve_subgraph,
@@ -48,6 +50,7 @@ from autopar.solver.stages import (
     choose,
     divisors,
     in_flight,
+    step_time,
 )
 
 from .choice import kept_storage
@@ -249,47 +252,165 @@ def _cut(trace_at, program: TracedProgram, batch: int, microbatches: int | None,
 def _solve_stages(cut: _Cut, at: _Setting, running: Plan | None) -> tuple[list, dict, object]:
     """Intra-op per stage, in order: a stage's inputs keep the placements they were produced
     in. Returns each stage's (subgraph, strategies), every node's strategy and the random
-    draw that replaced the ILP (None: solved)."""
-    program, graph, cost, best = cut.program, cut.graph, cut.cost, cut.best
-    p, m, v, options = at.p, best.microbatches, best.virtual_stages, at.options
-    stage_of = cut.blocks.stage_of(best.cuts, p * v)
-    worst = max(in_flight(best.schedule, p, m, v, r) for r in range(p))
-    scaled = activation_scaled(cost, worst)
-    rng = random.Random(options.seed)
-    draw = (lambda g: random_choice(g, cost, rng)) if options.solver == "random" else None
-    choice: dict[str, Strategy] = {}
-    cache: dict = {}
-    stages = []
-    for s in range(p * v):
-        members = [n for n in graph.nodes if stage_of.get(n) == s]
-        g = subgraph(graph, members, choice)
-        forced, discouraged = allowed_strategies(g, at.styles) if at.styles else (None, None)
-        if running is not None:  # parameters stay where the running plan stores them
-            stored = kept_storage(g, program, {n: tuple(pl) for n, pl in
-                                               running.parameters.items()}, running.zero)
+    draw that replaced the ILP (None: solved).
+
+    Each stage's ILP prices its own stage, where the step is a schedule's sums and maxima
+    over all of them (solver/stages.py `step_time`: the busiest rank, the slowest stage, the
+    longest gradient synchronization), so stages solved one by one can miss a plan the step
+    prices faster. Without `force`, the plans forced to each style per stage mesh dimension
+    (data, fsdp, tensor: what `force=` would give on this cut) are solved too, each given up
+    once the stages solved so far cannot beat the plan found (`_StageSolve.in_order`), and
+    the fastest step wins: the free plan is never slower than a forced one by the planner's
+    own prices."""
+    stage_of = cut.blocks.stage_of(cut.best.cuts, at.p * cut.best.virtual_stages)
+    ctx = _StageSolve(cut, at, running, stage_of)
+    best = ctx.styled(at.styles)
+    if at.styles or running is not None or ctx.draw is not None:
+        return best
+    best_step = ctx.step(best)
+    dims = [k for k, n in enumerate(at.sub.shape) if n > 1]
+    for combo in itertools.product(PIPELINED_STYLES, repeat=len(dims)):
+        try:
+            other = ctx.styled(dict(zip(dims, combo)), best_step)
+        except (NoFeasiblePlan, _Outpaced):
+            continue
+        step = ctx.step(other)
+        if step < best_step:
+            best, best_step = other, step
+    return best
+
+
+class _Outpaced(Exception):
+    """Stages solved under some styles that cannot step faster than a plan found."""
+
+
+# The styles `force=` may give a stage mesh dimension (pipeline stages shard no optimizer
+# state: autopar/force.py `stage_styles`), which the free pipelined plan is never slower than.
+PIPELINED_STYLES = ("data", "fsdp", "tensor")
+
+
+def _shared_parameters(graph: StrategyGraph, stage_of: dict[str, int]) -> set[str]:
+    """The parameters ops of more than one stage read."""
+    stages: dict[str, set[int]] = {}
+    for v in graph.nodes.values():
+        if v.name in stage_of:
+            for u, _ in v.inputs:
+                if graph.nodes[u].kind == PARAM:
+                    stages.setdefault(u, set()).add(stage_of[v.name])
+    return {u for u, ss in stages.items() if len(ss) > 1}
+
+
+class _StageSolve:
+    """The stages' intra-op ILPs of one cut (`_solve_stages`), identical stages solved once."""
+
+    def __init__(self, cut: _Cut, at: _Setting, running: Plan | None, stage_of: dict):
+        self.cut, self.at, self.running, self.stage_of = cut, at, running, stage_of
+        best, options = cut.best, at.options
+        self.worst = max(in_flight(best.schedule, at.p, best.microbatches,
+                                   best.virtual_stages, r) for r in range(at.p))
+        self.scaled = activation_scaled(cut.cost, self.worst)
+        rng = random.Random(options.seed)
+        self.draw = (lambda g: random_choice(g, cut.cost, rng)) \
+            if options.solver == "random" else None
+        self.cache: dict = {}
+
+    def styled(self, styles: dict[int, str], beat: float = float("inf")
+               ) -> tuple[list, dict, object]:
+        """Every stage solved in order under `styles` (stage mesh dimension: style);
+        _Outpaced once no such plan can step faster than `beat` seconds.
+
+        A parameter several stages use (a tied embedding: the first stage's lookup, the last
+        one's head) is stored one way for all of them. Solving in order lets the first stage
+        choose it, though a later one may pay far more for that choice (the head gathering
+        an embedding sharded for the lookup, every microbatch); so each stage using shared
+        parameters is also solved first and its storage of them kept by the others, and the
+        pipeline priced fastest wins."""
+        graph, stage_of = self.cut.graph, self.stage_of
+        found = self.in_order({}, styles, beat)
+        shared = _shared_parameters(graph, stage_of)
+        if not shared or self.running is not None or self.draw is not None:
+            return found
+        users = sorted({stage_of[v.name] for v in graph.nodes.values() if v.name in stage_of
+                        and any(u in shared for u, _ in v.inputs)})
+        best, best_step = found, self.step(found)
+        for s in users[1:]:  # (stage users[0] chose first above)
+            picked = self.stage(s, {}, styles)[1]
+            try:
+                other = self.in_order({n: picked[n] for n in shared if n in picked}, styles,
+                                      min(beat, best_step))
+            except (NoFeasiblePlan, _Outpaced):
+                continue
+            step = self.step(other)
+            if step < best_step:
+                best, best_step = other, step
+        return best
+
+    def stage(self, s: int, choice: dict[str, Strategy], styles: dict[int, str]
+              ) -> tuple[StrategyGraph, dict]:
+        """Stage `s`'s subgraph, its producers' strategies fixed as in `choice`, and its
+        ILP's strategies under `styles`."""
+        cut, at, options = self.cut, self.at, self.at.options
+        v = cut.best.virtual_stages
+        members = [n for n in cut.graph.nodes if self.stage_of.get(n) == s]
+        g = subgraph(cut.graph, members, choice)
+        forced, discouraged = allowed_strategies(g, styles) if styles else (None, None)
+        if self.running is not None:  # parameters stay where the running plan stores them
+            stored = kept_storage(g, cut.program, {n: tuple(pl) for n, pl in
+                                                   self.running.parameters.items()},
+                                  self.running.zero)
             forced = dict(forced or {})
             for n, ks in stored.items():
                 forced[n] = sorted(set(ks) & set(forced.get(n, ks))) or ks
         try:
-            picked = solve_subgraph(g, scaled, cache,
-                                    memory_budget=stage_budget(at.budget, v),
-                                    backend=at.backend, time_limit=options.time_limit,
-                                    forced=forced, discouraged=discouraged, draw=draw,
-                                    program=program.graph_module)
+            return g, solve_subgraph(g, self.scaled, self.cache,
+                                     memory_budget=stage_budget(at.budget, v),
+                                     backend=at.backend, time_limit=options.time_limit,
+                                     forced=forced, discouraged=discouraged, draw=self.draw,
+                                     program=cut.program.graph_module)
         except NoFeasiblePlan:
-            bounds = [0, *best.cuts, len(cut.blocks.names)]
+            bounds = [0, *cut.best.cuts, len(cut.blocks.names)]
             names = cut.blocks.names[bounds[s]:bounds[s + 1]]
             raise NoFeasiblePlan(
                 f"pipeline stage {s} ({', '.join(names)}) fits no plan within "
-                f"{stage_budget(at.budget, v) / 2**30:.2f} GiB per device with {worst:g} "
-                "microbatches in flight; use more pp ranks or more microbatches") from None
-        inside = set(members)  # boundary copies of earlier ops carry no strategy of theirs
-        choice.update({n: st for n, st in picked.items()
-                       if n in inside or graph.nodes[n].kind != OP})
-        stages.append((g, picked))
-    for name, node in graph.nodes.items():
-        choice.setdefault(name, node.strategies[0])  # unused parameters and inputs
-    return stages, choice, draw
+                f"{stage_budget(at.budget, v) / 2**30:.2f} GiB per device with "
+                f"{self.worst:g} microbatches in flight; use more pp ranks or more "
+                "microbatches") from None
+
+    def in_order(self, first: dict[str, Strategy], styles: dict[int, str],
+                 beat: float = float("inf")) -> tuple[list, dict, object]:
+        """Every stage solved in order under `styles`, the parameters in `first` stored as
+        it says; _Outpaced as soon as the stages solved (priced alone: `price`, no sends)
+        put the step (solver/stages.py `step_time`, which only grows with each stage's time
+        and synchronization) at `beat` seconds or more. Returns
+        (each stage's (subgraph, strategies), every node's strategy, the random draw)."""
+        graph = self.cut.graph
+        best, at = self.cut.best, self.at
+        num_stages = at.p * best.virtual_stages
+        choice: dict[str, Strategy] = dict(first)
+        stages = []
+        times, syncs = [0.0] * num_stages, [0.0] * num_stages
+        for s in range(num_stages):
+            g, picked = self.stage(s, choice, styles)
+            if beat != float("inf"):
+                priced = price(g, self.cut.cost, picked)
+                times[s], syncs[s] = priced.time, priced.grad_sync
+                if step_time(times, syncs, at.p, best.microbatches,
+                             best.virtual_stages) >= beat:
+                    raise _Outpaced
+            # boundary copies of earlier ops carry no strategy of theirs
+            choice.update({n: st for n, st in picked.items()
+                           if self.stage_of.get(n) == s or graph.nodes[n].kind != OP})
+            stages.append((g, picked))
+        for name, node in graph.nodes.items():
+            choice.setdefault(name, node.strategies[0])  # unused parameters and inputs
+        return stages, choice, self.draw
+
+    def step(self, solved: tuple[list, dict, object]) -> float:
+        """The predicted step of stages solved by `in_order`."""
+        cut, at, best = self.cut, self.at, self.cut.best
+        return price_pipeline(cut.graph, cut.cost, solved[0], self.stage_of, solved[1],
+                              at.link, best.schedule, at.p, best.microbatches,
+                              best.virtual_stages).step
 
 
 def _pipelined(cut: _Cut, stages: list, choice: dict[str, Strategy], at: _Setting,

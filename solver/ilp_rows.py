@@ -29,8 +29,8 @@ class Objective:
     """How the columns are priced. `by_memory`: bytes (in GiB) instead of seconds
     (microseconds: `scale`). `split`: with overlap, side seconds priced at the share
     `relaxed` (and `tiebreak`) unless the exact rows price them. `once`: the share of each
-    strategy's gradient synchronization a relaxed step of several microbatches leaves out
-    (ilp.py `relaxed_bound`). `integral`: x columns integral (not for a relaxation)."""
+    strategy's gradient synchronization a step of several microbatches leaves out of the
+    price of one (it synchronizes once: ilp.py `relaxed_bound`, planner `accumulated`). `integral`: x columns integral (not for a relaxation)."""
 
     by_memory: bool
     scale: float
@@ -61,7 +61,12 @@ class IlpProgram:
 
 def objective(problem: OwnerProblem, cost: CostModel, minimize: str, exact_overlap: bool,
               side_share: float | None, relax: int) -> Objective:
-    """How ilp.py's `_solve` prices the columns: see its `side_share` and `relax`."""
+    """How ilp.py's `_solve` prices the columns: see its `side_share` and `relax`. A step of
+    m microbatches (`relax`, else `cost.accumulation`) synchronizes gradients once: each
+    strategy's synchronization is priced 1/m per microbatch (`once` = (m-1)/m left out), or
+    a plan that synchronizes (data parallel) would pay m times what it does against one
+    that gathers every microbatch (FSDP)."""
+    m = relax or cost.accumulation
     by_memory = minimize == "memory"
     split = problem.node_split is not None and not by_memory
     edge = cost.edge_share() if split else 0.0
@@ -70,7 +75,7 @@ def objective(problem: OwnerProblem, cost: CostModel, minimize: str, exact_overl
         # relaxed (the first solve): side seconds priced at their unhidden share only
         0.0 if not split or exact_overlap else edge if side_share is None else side_share,
         0.0 if relax else SIDE_TIEBREAK,
-        (relax - 1) / relax if relax and problem.sync else 0.0,
+        (m - 1) / m if m > 1 and problem.sync and not by_memory else 0.0,
         not relax)
 
 

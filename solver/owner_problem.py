@@ -42,9 +42,9 @@ class OwnerProblem:
     # with overlap (cost.overlap): node_cost and edge prices by where they run (cost.Split)
     node_split: dict[str, list[Split]] | None = None
     edge_split: list[dict] | None = None
-    # with a relaxation (`priced_problem`): per owner strategy, the seconds of gradient
-    # synchronization its parameters pay, by where they run (a step of several microbatches
-    # synchronizes once: planner `accumulated`)
+    # with a relaxation (`priced_problem`) or several microbatches a step (cost.accumulation):
+    # per owner strategy, the seconds of gradient synchronization its parameters pay, by where
+    # they run (a step of several microbatches synchronizes once: planner `accumulated`)
     sync: dict[str, list[Split]] | None = None
     # with parameters freed after forward (cost.reshard): the same problem where each of a
     # parameter's uses may be priced freed or kept gathered (solver/resharding.py keeps
@@ -117,7 +117,9 @@ def _owner_prices(graph: StrategyGraph, cost: CostModel, c: Clustering, forced, 
     node_split = {o: [NO_TIME] * len(c.index[o]) for o in owners}
     node_cost = {o: [0.0] * len(c.index[o]) for o in owners}
     memory = {o: [0.0] * len(c.index[o]) for o in owners}
-    sync = {o: [NO_TIME] * len(c.index[o]) for o in owners} if relaxation else None
+    # (a step of several microbatches prices its synchronization once: ilp_rows.objective)
+    with_sync = relaxation or cost.accumulation > 1
+    sync = {o: [NO_TIME] * len(c.index[o]) for o in owners} if with_sync else None
     node_memory: dict[tuple, list[float]] = {}
     node_sync: dict[tuple, list[Split]] = {}
     for v, o in c.owner.items():
@@ -125,7 +127,7 @@ def _owner_prices(graph: StrategyGraph, cost: CostModel, c: Clustering, forced, 
         tw = price_key(cost, c.twin, v)
         if tw not in node_memory:
             node_memory[tw] = [cost.node_memory(node, s) for s in node.strategies]
-            if node.kind == PARAM and relaxation:
+            if node.kind == PARAM and with_sync:
                 node_sync[tw] = [cost.grad_sync_split(node, s.output, s.zero)
                                  for s in node.strategies]
         allowed = set(forced[v]) if forced and v in forced else None
