@@ -267,17 +267,10 @@ def _solve_stages(cut: _Cut, at: _Setting, running: Plan | None) -> tuple[list, 
     best = ctx.styled(at.styles)
     if at.styles or running is not None or ctx.draw is not None:
         return best
-    best_step = ctx.step(best)
     dims = [k for k, n in enumerate(at.sub.shape) if n > 1]
-    for combo in itertools.product(PIPELINED_STYLES, repeat=len(dims)):
-        try:
-            other = ctx.styled(dict(zip(dims, combo)), best_step)
-        except (NoFeasiblePlan, _Outpaced):
-            continue
-        step = ctx.step(other)
-        if step < best_step:
-            best, best_step = other, step
-    return best
+    combos = [dict(zip(dims, c)) for c in itertools.product(PIPELINED_STYLES, repeat=len(dims))]
+    return ctx.fastest(best, (lambda beat, styles=styles: ctx.styled(styles, beat)
+                              for styles in combos))
 
 
 class _Outpaced(Exception):
@@ -332,12 +325,23 @@ class _StageSolve:
             return found
         users = sorted({stage_of[v.name] for v in graph.nodes.values() if v.name in stage_of
                         and any(u in shared for u, _ in v.inputs)})
-        best, best_step = found, self.step(found)
-        for s in users[1:]:  # (stage users[0] chose first above)
+
+        def first(s: int, beat_found: float):  # stage s's storage of the shared parameters
             picked = self.stage(s, {}, styles)[1]
+            return self.in_order({n: picked[n] for n in shared if n in picked}, styles,
+                                 min(beat, beat_found))
+
+        # (stage users[0] chose first above)
+        return self.fastest(found, (lambda b, s=s: first(s, b) for s in users[1:]))
+
+    def fastest(self, best: tuple, attempts) -> tuple:
+        """The fastest step of the stages solved `best` and of what each of `attempts`
+        returns, called with the step to beat (one raising NoFeasiblePlan or _Outpaced is
+        passed over)."""
+        best_step = self.step(best)
+        for attempt in attempts:
             try:
-                other = self.in_order({n: picked[n] for n in shared if n in picked}, styles,
-                                      min(beat, best_step))
+                other = attempt(best_step)
             except (NoFeasiblePlan, _Outpaced):
                 continue
             step = self.step(other)

@@ -30,7 +30,8 @@ class Objective:
     (microseconds: `scale`). `split`: with overlap, side seconds priced at the share
     `relaxed` (and `tiebreak`) unless the exact rows price them. `once`: the share of each
     strategy's gradient synchronization a step of several microbatches leaves out of the
-    price of one (it synchronizes once: ilp.py `relaxed_bound`, planner `accumulated`). `integral`: x columns integral (not for a relaxation)."""
+    price of one (it synchronizes once: ilp.py `relaxed_bound`, planner `accumulated`).
+    `integral`: x columns integral (not for a relaxation)."""
 
     by_memory: bool
     scale: float
