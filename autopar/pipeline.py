@@ -30,6 +30,7 @@ from autopar.passes.batch_local import batch_dims
 from autopar.passes.graph_queries import source_line, state_writes
 from autopar.passes.loss_weights import LossWeights, of_program
 from autopar.passes.pipeline_split import ValueMeta, buffer_writes, split_stages
+from autopar.passes.recompute_regions import wrap_recomputed
 from autopar.passes.rewrite import rewrite
 from autopar.passes.trace import TracedProgram, TraceError, trace
 from autopar.passes.trace_values import Fingerprint, changed
@@ -402,6 +403,8 @@ def _cut(ctx: BuildContext, tracer, plan: Plan) -> _Cut:
                        randomness=plan.randomness or "eager")
     kinds = {name: v.kind for name, v in graph.nodes.items()}
     train = split_stages(programs.train, graph, stage_of, kinds, pipe.num_stages)
+    for stage in train:  # each stage runs the blocks the plan recomputes under checkpoint
+        wrap_recomputed(stage.module, plan.recompute)
     infer = split_stages(programs.infer, graph, stage_of, kinds, pipe.num_stages)
     written = agree.on_every_rank("matching the plan to the model", lambda: written_buffers(
         program, train + infer, mesh.shape[pp]))

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from autopar.passes import strategies as strat_pass
 from autopar.passes.batch_local import split_problem
 from autopar.passes.pipeline_split import LayerBlocks, layer_blocks
+from autopar.passes.recompute import MODES, recompute_plan
 from autopar.passes.strategies import OP, PARAM, Strategy, StrategyGraph
 from autopar.passes.styles import allowed_strategies
 from autopar.passes.trace import TracedProgram
@@ -100,7 +101,8 @@ def planned_blocks(program: TracedProgram, graph: StrategyGraph,
 class _Setting:
     """What every step of `solve_pipeline_plan` reads: the mesh, its pp dimension and size,
     the stage mesh, the options, the ILP backend, the memory budget per device, the pp link,
-    the forced styles on the stage mesh and the op profiler (None: roofline times)."""
+    the forced styles on the stage mesh, the op profiler (None: roofline times) and the
+    recomputation mode of every stage's layer blocks."""
 
     mesh: MeshSpec
     pp: int
@@ -112,6 +114,7 @@ class _Setting:
     link: object
     styles: dict[int, str]
     profile: object
+    recompute: str
 
 
 @dataclass
@@ -143,33 +146,75 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
     parameters stored where `running` stores them.
     """
     options = options or PlanOptions()
-    plan, graph = _solve_pipeline_plan(trace_at, batch, mesh, options, running)
+    plan, graph = _recomputing(trace_at, batch, mesh, options, running)
     if options.randomness != "auto" or running is not None or \
             not eager_could_fit(plan, graph, mesh, options):
         return plan
     try:  # the faster of counter and eager draws (autopar/planner.py solve_accumulated)
-        eager, _ = _solve_pipeline_plan(trace_at, batch, mesh,
-                                        dataclasses.replace(options, randomness="eager"), None)
+        eager, _ = _recomputing(trace_at, batch, mesh,
+                                dataclasses.replace(options, randomness="eager"), None)
     except (NoFeasiblePlan, StageError):
         return plan
     return eager if eager.cost.step_time < plan.cost.step_time else plan
 
 
+def _recomputing(trace_at, batch: int, mesh: MeshSpec, options: PlanOptions,
+                 running: Plan | None) -> tuple[Plan, StrategyGraph]:
+    """`_solve_pipeline_plan` in the recomputation `options.recompute` asks (a running
+    pipeline's: `running`'s), or, when it asks none, the fastest of none, selective and full
+    recomputation of every stage's layer blocks (passes/recompute.py), tried in that order
+    while no plan fits or memory binds the one found (a peak above BINDING of the budget), as
+    the non-pipelined planner's memory search does."""
+    if running is not None:
+        modes = [running.recompute.mode if running.recompute is not None else "none"]
+    else:
+        modes = [options.recompute] if options.recompute is not None else list(MODES)
+    found, error = None, None
+    for mode in modes:
+        try:
+            plan, graph = _solve_pipeline_plan(trace_at, batch, mesh, options, running, mode)
+        except (NoFeasiblePlan, StageError) as e:
+            error = e
+            continue
+        except ValueError:
+            if mode == modes[0]:
+                raise
+            break  # (a model whose random ops no stage recomputes)
+        if found is None or plan.cost.step_time < found[0].cost.step_time:
+            found = (plan, graph)
+        if plan.cost.peak_memory < BINDING * plan.cost.memory_budget:
+            break  # memory does not bind: recomputing more would only cost time
+    if found is None:
+        raise error
+    return found
+
+
+# A plan whose peak is within this share of the budget is held back by memory: recomputing
+# more may let the stages choose faster placements (autopar/planner.py's BINDING).
+BINDING = 0.9
+
+
 def _solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, options: PlanOptions,
-                         running: Plan | None) -> tuple[Plan, StrategyGraph]:
-    """`solve_pipeline_plan` in the randomness `options` say; the plan and the graph of one
-    microbatch."""
+                         running: Plan | None, recompute: str = "none"
+                         ) -> tuple[Plan, StrategyGraph]:
+    """`solve_pipeline_plan` in the randomness `options` say, recomputing every stage's
+    layer blocks in mode `recompute`; the plan and the graph of one microbatch."""
     _refuse_options(options)
     kept = running.pipeline if running is not None else None
     microbatches = options.microbatches
     if kept is not None:
         microbatches = microbatches or kept.microbatches
-    at = _setting(mesh, options, batch, microbatches)
+    at = _setting(mesh, options, batch, microbatches, recompute)
     start = time.perf_counter()
     program = trace_at(microbatches or 1)
     if not program.has_loss:
         raise ValueError("a pipelined plan trains through step(); pass loss_fn= (pipelined "
                          "inference alone is not supported)")
+    if program.random_ops and recompute != "none":
+        raise ValueError(f"recompute={recompute!r} with a pp mesh dimension: the model draws "
+                         "random numbers (dropout), and pipeline stages do not recompute "
+                         "random ops yet; pass recompute='none' (more microbatches shrink "
+                         "the activations) or plan without the pp dimension")
     # A schedule runs the batch as microbatches: only where they add up to the whole batch.
     if microbatches is not None:
         if batch > 1 and microbatches != 1:
@@ -188,14 +233,10 @@ def _refuse_options(options: PlanOptions) -> None:
     if options.per_rank_inputs:
         raise ValueError("per-rank inputs are not supported with a pp mesh dimension yet: pass "
                          "the global batch on every rank")
-    if options.recompute not in (None, "none"):
-        raise ValueError(f"recompute={options.recompute!r} is not supported with a pp mesh "
-                         "dimension yet: pipelined plans keep their activations (more "
-                         "microbatches shrink them); drop recompute= or the pp dimension")
 
 
-def _setting(mesh: MeshSpec, options: PlanOptions, batch: int, microbatches: int | None
-             ) -> _Setting:
+def _setting(mesh: MeshSpec, options: PlanOptions, batch: int, microbatches: int | None,
+             recompute: str) -> _Setting:
     """The setting of a pipelined plan; StageError for a microbatch count that does not
     divide the batch, ValueError for a bad `force` (both before any work)."""
     pp = mesh.pipeline_dim
@@ -208,15 +249,22 @@ def _setting(mesh: MeshSpec, options: PlanOptions, batch: int, microbatches: int
     return _Setting(mesh, pp, mesh.shape[pp], mesh.without(pp), options,
                     "HIGHS" if options.solver == "random" else options.solver, budget,
                     mesh.link(pp), stage_styles(mesh, pp, options.force),
-                    profiler(options.profile))
+                    profiler(options.profile), recompute)
 
 
-def _stage_cost(at: _Setting, graph: StrategyGraph, microbatches: int) -> CostModel:
-    """The cost model of `graph` (traced at one of `microbatches`) on the stage mesh."""
+def _stage_cost(at: _Setting, program: TracedProgram, graph: StrategyGraph,
+                microbatches: int) -> CostModel:
+    """The cost model of `graph` (of `program`, traced at one of `microbatches`) on the
+    stage mesh, its layer blocks recomputed as `at` says."""
     # a stage's program gathers its FSDP parameters in buckets of its own, prefetched within
     # the stage (passes/rewrite.py `stage_of`): priced beside compute, as without stages
-    return measured(cost_model(at.sub, graph, at.options, microbatches=microbatches), graph,
-                    at.profile)
+    cost = cost_model(at.sub, graph, at.options, microbatches=microbatches)
+    # (a model drawing random numbers is not recomputed, not even where it checkpoints
+    # itself: see _solve_pipeline_plan)
+    cost = cost.copy(recompute=recompute_plan(
+        program, graph, at.recompute,
+        keep_user=at.options.recompute != "none" and not program.random_ops))
+    return measured(cost, graph, at.profile)
 
 
 def _cut(trace_at, program: TracedProgram, batch: int, microbatches: int | None,
@@ -226,7 +274,7 @@ def _cut(trace_at, program: TracedProgram, batch: int, microbatches: int | None,
     does; traced again at the microbatch count chosen."""
     m0 = microbatches or 1
     graph = strat_pass.build(program, at.sub.shape)
-    cost = _stage_cost(at, graph, m0)
+    cost = _stage_cost(at, program, graph, m0)
     if kept is not None:
         blocks = planned_blocks(program, graph, kept.blocks, "in these modes")
         best = StageSolution(kept.schedule, microbatches, kept.virtual_stages,
@@ -242,7 +290,7 @@ def _cut(trace_at, program: TracedProgram, batch: int, microbatches: int | None,
     if best.microbatches != m0:
         program = trace_at(best.microbatches)
         graph = strat_pass.build(program, at.sub.shape)
-        cost = _stage_cost(at, graph, best.microbatches)
+        cost = _stage_cost(at, program, graph, best.microbatches)
         blocks = planned_blocks(program, graph, blocks.names, "at the microbatch size")
     # every microbatch draws the whole batch's random numbers (solver/stages.py), and adds
     # its gradients to those of the microbatches before it

@@ -44,6 +44,7 @@ from torch.utils.checkpoint import (
 
 from .emitted import META_KEY
 from .recompute import SAVED_ATEN, Recompute
+from .rules.random_stream import STREAM
 from .torch_compat import outside_dispatch_modes
 
 RUN_ROLES = ("op", "getitem")
@@ -112,10 +113,16 @@ class RecomputedRun(torch.nn.Module):
         return self._checkpoint(run, kept)
 
     def _checkpoint(self, fn, inputs):
+        at = STREAM.microbatch
+
+        def run(*xs):  # (checkpoint restores the generator: the same numbers, same rows)
+            with STREAM.again_at(at):
+                return fn(*xs)
+
         if self.mode == "selective":
             context = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-            return checkpoint(fn, *inputs, use_reentrant=False, context_fn=context)
-        return checkpoint(fn, *inputs, use_reentrant=False)
+            return checkpoint(run, *inputs, use_reentrant=False, context_fn=context)
+        return checkpoint(run, *inputs, use_reentrant=False)
 
 
 def _key(node: fx.Node, recompute: Recompute, ops: frozenset[str]):

@@ -62,6 +62,17 @@ class RandomStream:
         """The programs run the step's microbatch `i` next."""
         self.microbatch = i
 
+    @contextlib.contextmanager
+    def again_at(self, microbatch: int):
+        """Around ops run again in backward (recomputed): they draw for `microbatch`, the one
+        they ran for in forward, whatever the schedule runs now (a pipeline runs other
+        microbatches' forwards between one's forward and backward)."""
+        now, self.microbatch = self.microbatch, microbatch
+        try:
+            yield
+        finally:
+            self.microbatch = now
+
     def op_key(self, name: str, stream: int = 0) -> int:
         """The key of the op named `name` in the traced program, this step."""
         if self.key is None:
