@@ -317,8 +317,8 @@ def _solve_stages(cut: _Cut, at: _Setting, running: Plan | None) -> tuple[list, 
         return best
     dims = [k for k, n in enumerate(at.sub.shape) if n > 1]
     combos = [dict(zip(dims, c)) for c in itertools.product(PIPELINED_STYLES, repeat=len(dims))]
-    return ctx.fastest(best, (lambda beat, styles=styles: ctx.styled(styles, beat)
-                              for styles in combos))
+    return ctx.fastest([lambda beat: best] + [lambda beat, styles=styles: ctx.styled(styles, beat)
+                                              for styles in combos])
 
 
 class _Outpaced(Exception):
@@ -367,34 +367,38 @@ class _StageSolve:
         parameters is also solved first and its storage of them kept by the others, and the
         pipeline priced fastest wins."""
         graph, stage_of = self.cut.graph, self.stage_of
-        found = self.in_order({}, styles, beat)
         shared = _shared_parameters(graph, stage_of)
-        if not shared or self.running is not None or self.draw is not None:
-            return found
         users = sorted({stage_of[v.name] for v in graph.nodes.values() if v.name in stage_of
                         and any(u in shared for u, _ in v.inputs)})
+        if self.running is not None or self.draw is not None:
+            users = users[:1]
 
-        def first(s: int, beat_found: float):  # stage s's storage of the shared parameters
+        def first(s: int, to_beat: float):  # stage s's storage of the shared parameters
             picked = self.stage(s, {}, styles)[1]
             return self.in_order({n: picked[n] for n in shared if n in picked}, styles,
-                                 min(beat, beat_found))
+                                 to_beat)
 
-        # (stage users[0] chose first above)
-        return self.fastest(found, (lambda b, s=s: first(s, b) for s in users[1:]))
+        # (the first stage using them chooses in order)
+        return self.fastest([lambda b: self.in_order({}, styles, b)] +
+                            [lambda b, s=s: first(s, b) for s in users[1:]], beat)
 
-    def fastest(self, best: tuple, attempts) -> tuple:
-        """The fastest step of the stages solved `best` and of what each of `attempts`
-        returns, called with the step to beat (one raising NoFeasiblePlan or _Outpaced is
-        passed over)."""
-        best_step = self.step(best)
+    def fastest(self, attempts, beat: float = float("inf")) -> tuple:
+        """The fastest step of what each of `attempts` returns (stages solved), each called
+        with the step to beat (`beat`, then the fastest found); one raising NoFeasiblePlan or
+        _Outpaced is passed over, and when every one does, the first one's error is
+        raised."""
+        best, best_step, error = None, beat, None
         for attempt in attempts:
             try:
                 other = attempt(best_step)
-            except (NoFeasiblePlan, _Outpaced):
+            except (NoFeasiblePlan, _Outpaced) as e:
+                error = error or e
                 continue
             step = self.step(other)
-            if step < best_step:
+            if best is None or step < best_step:
                 best, best_step = other, step
+        if best is None:
+            raise error
         return best
 
     def stage(self, s: int, choice: dict[str, Strategy], styles: dict[int, str]
