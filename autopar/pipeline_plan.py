@@ -176,10 +176,6 @@ def _recomputing(trace_at, batch: int, mesh: MeshSpec, options: PlanOptions,
         except (NoFeasiblePlan, StageError) as e:
             error = e
             continue
-        except ValueError:
-            if mode == modes[0]:
-                raise
-            break  # (a model whose random ops no stage recomputes)
         if found is None or plan.cost.step_time < found[0].cost.step_time:
             found = (plan, graph)
         if plan.cost.peak_memory < BINDING * plan.cost.memory_budget:
@@ -210,11 +206,6 @@ def _solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, options: PlanOpti
     if not program.has_loss:
         raise ValueError("a pipelined plan trains through step(); pass loss_fn= (pipelined "
                          "inference alone is not supported)")
-    if program.random_ops and recompute != "none":
-        raise ValueError(f"recompute={recompute!r} with a pp mesh dimension: the model draws "
-                         "random numbers (dropout), and pipeline stages do not recompute "
-                         "random ops yet; pass recompute='none' (more microbatches shrink "
-                         "the activations) or plan without the pp dimension")
     # A schedule runs the batch as microbatches: only where they add up to the whole batch.
     if microbatches is not None:
         if batch > 1 and microbatches != 1:
@@ -259,11 +250,9 @@ def _stage_cost(at: _Setting, program: TracedProgram, graph: StrategyGraph,
     # a stage's program gathers its FSDP parameters in buckets of its own, prefetched within
     # the stage (passes/rewrite.py `stage_of`): priced beside compute, as without stages
     cost = cost_model(at.sub, graph, at.options, microbatches=microbatches)
-    # (a model drawing random numbers is not recomputed, not even where it checkpoints
-    # itself: see _solve_pipeline_plan)
     cost = cost.copy(recompute=recompute_plan(
         program, graph, at.recompute,
-        keep_user=at.options.recompute != "none" and not program.random_ops))
+        keep_user=at.options.recompute != "none"))
     return measured(cost, graph, at.profile)
 
 

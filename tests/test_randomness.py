@@ -214,15 +214,17 @@ def test_counter_randomness_trains_alike_under_every_plan(world2, world4, name):
     """GPT-2 with embedding, residual and SDPA dropout, and an MLP with rand_like, randn_like,
     bernoulli and dropout, in counter randomness: one device, data, FSDP, tensor parallel,
     accumulation over 2 microbatches, full recomputation, data x tensor and a 1F1B pipeline
-    x data give the same losses and parameters after two AdamW steps (float64, to rounding)."""
+    x data, without and with full recomputation in its stages, give the same losses and parameters after two AdamW steps (float64, to rounding)."""
     got = _runs(get_world(1), name, (1,), ("dp",), [{}])
     got += _runs(world2, name, (2,), ("dp",),
                  [{"force": "data"}, {"force": "fsdp"}, {"force": "tensor"},
                   {"force": "data", "microbatches": 2}, {"force": "data", "recompute": "full"}])
     got += _runs(world4, name, (2, 2), ("dp", "tp"), [{"force": {"dp": "data", "tp": "tensor"}}])
     got += _runs(world4, name, (2, 2), ("pp", "dp"),
-                 [{"microbatches": 2, "schedule": "1f1b", "force": {"dp": "data"}}])
-    assert [r["randomness"] for r in got] == ["counter"] * 8
+                 [{"microbatches": 2, "schedule": "1f1b", "force": {"dp": "data"}},
+                  {"microbatches": 2, "schedule": "1f1b", "force": {"dp": "data"},
+                   "recompute": "full"}])
+    assert [r["randomness"] for r in got] == ["counter"] * 9
     assert got[4]["accumulation"] == 2 and got[7]["pipeline"] == 2
     reference = got[0]
     for run in got[1:]:

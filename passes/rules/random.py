@@ -432,9 +432,20 @@ REPLAYS: dict = {dropout_block: _replay_dropout, native_dropout_block: _replay_n
 def draws_of(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], str]:
     """The nodes of a rank's program (lowered) that draw random numbers, in the order they
     run, and "" or why one of them cannot be replayed (`replay`): an op drawing in a kernel
-    of its own (SDPA's fused dropout, noise of a shape of its own)."""
+    of its own (SDPA's fused dropout, noise of a shape of its own). The ops of a submodule's
+    program (a run recomputed in backward: passes/recompute_regions.py) count where it is
+    called."""
     out = []
     for node in gm.graph.nodes:
+        if node.op == "call_module":
+            inner = next((m for m in gm.get_submodule(node.target).modules()
+                          if isinstance(m, torch.fx.GraphModule)), None)
+            if inner is not None:
+                nodes, why = draws_of(inner)
+                out += nodes
+                if why:
+                    return out, why
+            continue
         if node.op != "call_function":
             continue
         if node.target in REPLAYS:
