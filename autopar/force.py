@@ -43,11 +43,6 @@ def stage_styles(mesh: MeshSpec, pp: int, force) -> dict[int, str]:
         raise ValueError(f"force gives the pipeline dimension {pp} ('pp') the style "
                          f"{styles[pp]!r}; 'pp' carries pipeline stages, so force only the "
                          f"other dimensions ({others})")
-    zero = sorted({s for k, s in styles.items() if k != pp and s in ("zero1", "zero2")})
-    if zero:
-        raise ValueError(f"force asks for {', '.join(zero)} on a pipelined mesh; pipeline "
-                         "stages do not shard optimizer state yet: use 'fsdp' (or 'data') "
-                         "there, or a mesh without 'pp'")
     return {dims.index(k): style for k, style in styles.items() if k != pp}
 
 

@@ -34,6 +34,7 @@ from autopar.passes.recompute_regions import wrap_recomputed
 from autopar.passes.rewrite import rewrite
 from autopar.passes.trace import TracedProgram, TraceError, trace
 from autopar.passes.trace_values import Fingerprint, changed
+from autopar.passes.zero import zero_shard
 from autopar.runtime.control import agreed
 from autopar.runtime.pipeline import (
     ModelFacts,
@@ -303,8 +304,12 @@ class Pipeline:
                                       mesh.shape[pp], coords[pp])
         submesh = mesh[tuple(mesh.mesh_dim_names[k] for k in dims)] if dims else None
         full_meta = {n: (tuple(t.shape), t.dtype) for n, t in ctx.source.named_parameters()}
-        place(ctx, tree, {n: tuple(plan.parameters[n]) for n in mine}, submesh,
-              setting.spec.without(pp).shape, pipe.stage_coords(coords))
+        sub_shape = setting.spec.without(pp).shape
+        placements = {n: tuple(plan.parameters[n]) for n in mine}
+        # ZeRO: the optimizer steps this rank's shard over the stage mesh (runtime/zero.py)
+        zero = {n: (plan.zero[n], zero_shard(full_meta[n][0], placements[n], sub_shape))
+                for n in mine if n in plan.zero}
+        place(ctx, tree, placements, submesh, sub_shape, pipe.stage_coords(coords), zero)
         program = cut.program
         self.module = PipelineModule(
             plan, cut.stages(ctx, pipe.microbatches), ctx.store,
@@ -420,7 +425,7 @@ def _matched(ctx: BuildContext, tracer, plan: Plan) -> tuple:
         raise ValueError("the mesh has a pp dimension but the plan is not pipelined; "
                          "re-plan with autopar.plan on this mesh")
     program = not_captured(ctx, tracer(pipe.microbatches))
-    graph = strat_pass.build(program, ctx.setting.spec.without(pipe.mesh_dim).shape)
+    graph = strat_pass.build(program, ctx.setting.spec.without(pipe.mesh_dim).shape, zero=True)
     choice = choice_from_plan(plan, graph)
     why = microbatch_problem(tracer, pipe.microbatches, pipe.loss_reduction)
     if why:

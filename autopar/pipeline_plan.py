@@ -43,6 +43,7 @@ from autopar.solver.stage_pricing import (
     solve_subgraph,
     stage_budget,
     subgraph,
+    without_zero,
 )
 from autopar.solver.stages import (
     StageError,
@@ -262,7 +263,7 @@ def _cut(trace_at, program: TracedProgram, batch: int, microbatches: int | None,
     and cut them into stages for the fastest schedule, or as the running pipeline `kept`
     does; traced again at the microbatch count chosen."""
     m0 = microbatches or 1
-    graph = strat_pass.build(program, at.sub.shape)
+    graph = strat_pass.build(program, at.sub.shape, zero=True)
     cost = _stage_cost(at, program, graph, m0)
     if kept is not None:
         blocks = planned_blocks(program, graph, kept.blocks, "in these modes")
@@ -278,7 +279,7 @@ def _cut(trace_at, program: TracedProgram, batch: int, microbatches: int | None,
                       overlap=cost.overlap)
     if best.microbatches != m0:
         program = trace_at(best.microbatches)
-        graph = strat_pass.build(program, at.sub.shape)
+        graph = strat_pass.build(program, at.sub.shape, zero=True)
         cost = _stage_cost(at, program, graph, best.microbatches)
         blocks = planned_blocks(program, graph, blocks.names, "at the microbatch size")
     # every microbatch draws the whole batch's random numbers (solver/stages.py), and adds
@@ -295,13 +296,16 @@ def _solve_stages(cut: _Cut, at: _Setting, running: Plan | None) -> tuple[list, 
     over all of them (solver/stages.py `step_time`: the busiest rank, the slowest stage, the
     longest gradient synchronization), so stages solved one by one can miss a plan the step
     prices faster. Without `force`, the plans forced to each style per stage mesh dimension
-    (data, fsdp, tensor: what `force=` would give on this cut) are solved too, each given up
+    (data, fsdp, zero1, zero2, tensor: what `force=` would give on this cut) are solved
+    too, each given up
     once the stages solved so far cannot beat the plan found (`_StageSolve.in_order`), and
     the fastest step wins: the free plan is never slower than a forced one by the planner's
     own prices."""
     stage_of = cut.blocks.stage_of(cut.best.cuts, at.p * cut.best.virtual_stages)
     ctx = _StageSolve(cut, at, running, stage_of)
-    best = ctx.styled(at.styles)
+    # free: ZeRO only where forced (each stage's ILP would price ZeRO's synchronization per
+    # stage, where the step counts the longest rank's; the portfolio below tries it)
+    best = ctx.styled(at.styles, zero=bool(at.styles) or running is not None)
     if at.styles or running is not None or ctx.draw is not None:
         return best
     dims = [k for k, n in enumerate(at.sub.shape) if n > 1]
@@ -314,9 +318,9 @@ class _Outpaced(Exception):
     """Stages solved under some styles that cannot step faster than a plan found."""
 
 
-# The styles `force=` may give a stage mesh dimension (pipeline stages shard no optimizer
-# state: autopar/force.py `stage_styles`), which the free pipelined plan is never slower than.
-PIPELINED_STYLES = ("data", "fsdp", "tensor")
+# The styles `force=` may give a stage mesh dimension, which the free pipelined plan is never
+# slower than.
+PIPELINED_STYLES = ("data", "fsdp", "zero1", "zero2", "tensor")
 
 
 def _shared_parameters(graph: StrategyGraph, stage_of: dict[str, int]) -> set[str]:
@@ -344,7 +348,7 @@ class _StageSolve:
             if options.solver == "random" else None
         self.cache: dict = {}
 
-    def styled(self, styles: dict[int, str], beat: float = float("inf")
+    def styled(self, styles: dict[int, str], beat: float = float("inf"), zero: bool = True
                ) -> tuple[list, dict, object]:
         """Every stage solved in order under `styles` (stage mesh dimension: style);
         _Outpaced once no such plan can step faster than `beat` seconds.
@@ -356,6 +360,8 @@ class _StageSolve:
         parameters is also solved first and its storage of them kept by the others, and the
         pipeline priced fastest wins."""
         graph, stage_of = self.cut.graph, self.stage_of
+        if styles and not self.fits(styles):
+            raise NoFeasiblePlan(f"the parameters of a stage do not fit under {styles}")
         shared = _shared_parameters(graph, stage_of)
         users = sorted({stage_of[v.name] for v in graph.nodes.values() if v.name in stage_of
                         and any(u in shared for u, _ in v.inputs)})
@@ -363,12 +369,12 @@ class _StageSolve:
             users = users[:1]
 
         def first(s: int, to_beat: float):  # stage s's storage of the shared parameters
-            picked = self.stage(s, {}, styles)[1]
+            picked = self.stage(s, {}, styles, zero)[1]
             return self.in_order({n: picked[n] for n in shared if n in picked}, styles,
-                                 to_beat)
+                                 to_beat, zero)
 
         # (the first stage using them chooses in order)
-        return self.fastest([lambda b: self.in_order({}, styles, b)] +
+        return self.fastest([lambda b: self.in_order({}, styles, b, zero)] +
                             [lambda b, s=s: first(s, b) for s in users[1:]], beat)
 
     def fastest(self, attempts, beat: float = float("inf")) -> tuple:
@@ -390,8 +396,28 @@ class _StageSolve:
             raise error
         return best
 
-    def stage(self, s: int, choice: dict[str, Strategy], styles: dict[int, str]
-              ) -> tuple[StrategyGraph, dict]:
+    def fits(self, styles: dict[int, str]) -> bool:
+        """False when some stage's parameters alone, each stored the cheapest way `styles`
+        allow (with its gradient and optimizer state: `CostModel.param_memory`, what the
+        stage's ILP counts), exceed a stage's share of the budget: no plan under `styles`
+        fits (a stage's other bytes only add). Checked before any stage is solved."""
+        graph, cost = self.cut.graph, self.cut.cost
+        params = {n: v for n, v in graph.nodes.items() if v.kind == PARAM}
+        allowed = allowed_strategies(StrategyGraph(params, graph.mesh_shape, None, []),
+                                     styles)[0]
+        cheapest = {n: min(cost.param_memory(v, v.strategies[k].output, v.strategies[k].zero)
+                           for k in allowed.get(n, range(len(v.strategies))))
+                    for n, v in params.items()}
+        used: dict[int, set[str]] = {}
+        for v in graph.nodes.values():
+            if v.name in self.stage_of:
+                used.setdefault(self.stage_of[v.name], set()).update(
+                    u for u, _ in v.inputs if u in params)
+        budget = stage_budget(self.at.budget, self.cut.best.virtual_stages)
+        return all(sum(cheapest[u] for u in us) <= budget for us in used.values())
+
+    def stage(self, s: int, choice: dict[str, Strategy], styles: dict[int, str],
+              zero: bool = True) -> tuple[StrategyGraph, dict]:
         """Stage `s`'s subgraph, its producers' strategies fixed as in `choice`, and its
         ILP's strategies under `styles`."""
         cut, at, options = self.cut, self.at, self.at.options
@@ -399,6 +425,8 @@ class _StageSolve:
         members = [n for n in cut.graph.nodes if self.stage_of.get(n) == s]
         g = subgraph(cut.graph, members, choice)
         forced, discouraged = allowed_strategies(g, styles) if styles else (None, None)
+        if not zero:  # no parameter shards its optimizer state (ZeRO)
+            forced = without_zero(g, forced)
         if self.running is not None:  # parameters stay where the running plan stores them
             stored = kept_storage(g, cut.program, {n: tuple(pl) for n, pl in
                                                    self.running.parameters.items()},
@@ -422,7 +450,7 @@ class _StageSolve:
                 "microbatches") from None
 
     def in_order(self, first: dict[str, Strategy], styles: dict[int, str],
-                 beat: float = float("inf")) -> tuple[list, dict, object]:
+                 beat: float = float("inf"), zero: bool = True) -> tuple[list, dict, object]:
         """Every stage solved in order under `styles`, the parameters in `first` stored as
         it says; _Outpaced as soon as the stages solved (priced alone: `price`, no sends)
         put the step (solver/stages.py `step_time`, which only grows with each stage's time
@@ -435,7 +463,7 @@ class _StageSolve:
         stages = []
         times, syncs = [0.0] * num_stages, [0.0] * num_stages
         for s in range(num_stages):
-            g, picked = self.stage(s, choice, styles)
+            g, picked = self.stage(s, choice, styles, zero)
             if beat != float("inf"):
                 priced = price(g, self.cut.cost, picked)
                 times[s], syncs[s] = priced.time, priced.grad_sync

@@ -7,9 +7,9 @@ degrees t and p and data parallel over the rest), bf16-mixed AdamW on simulated 
     python -m benchmarks.megatron_table1 --models 1.7B,39.1B
 
 For each row: the free plan's predicted step and planning seconds, the step of the plan
-forced to each style per mesh dimension (`force=`: data, fsdp, zero1, zero2 and tensor on
-dp and tp; pipelined meshes shard no optimizer state), "-" where the forced plan does not
-fit, and the step Megatron-LM measured (the paper's model FLOPs with full recomputation,
+forced to each style (`force=`: data, fsdp, zero1, zero2, tensor) on every dimension and to
+each on dp with tensor on tp (`--every`: every combination), "-" where the forced plan
+does not fit, and the step Megatron-LM measured (the paper's model FLOPs with full recomputation,
 96 B s l h^2 (1 + s / 6h + V / 16lh), over its GPUs at its achieved TFLOP/s). The last
 column says whether any forced style beats the free plan by the planner's own prices
 (it must not).
@@ -38,7 +38,6 @@ TABLE1 = {
 }
 SEQ, VOCAB = 2048, 51200
 STYLES = ("data", "fsdp", "zero1", "zero2", "tensor")
-PIPELINED_STYLES = ("data", "fsdp", "tensor")
 
 
 def measured_step(name: str) -> float:
@@ -73,16 +72,25 @@ def plan(name: str, force=None):
     return p, time.perf_counter() - start
 
 
-def forced_styles(spec: autopar.MeshSpec) -> list[dict[str, str]]:
-    """Every style per mesh dimension but pp."""
+def forced_styles(spec: autopar.MeshSpec, every: bool = False) -> list[dict[str, str]]:
+    """Each style on every mesh dimension but pp, and each style on dp with tensor on tp
+    (Megatron-LM's own layout: data-parallel styles over dp, tensor parallel inside a node);
+    with `every`, every combination of a style per dimension."""
     dims = [n for n in spec.names if n != "pp"]
-    styles = PIPELINED_STYLES if "pp" in spec.names else STYLES
-    return [dict(zip(dims, c)) for c in itertools.product(styles, repeat=len(dims))]
+    if every:
+        return [dict(zip(dims, c)) for c in itertools.product(STYLES, repeat=len(dims))]
+    combos = [{n: s for n in dims} for s in STYLES]
+    if "tp" in dims:
+        combos += [{"dp": s, "tp": "tensor"} for s in STYLES if s != "tensor"]
+    return combos
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(TABLE1), help=f"of {', '.join(TABLE1)}")
+    ap.add_argument("--every", action="store_true", help="every combination of a style per "
+                    "dimension (25 on dp x tp), not only each style alone and each on dp with "
+                    "tensor on tp")
     args = ap.parse_args()
     print("| model | mesh | free step s (plan() s) | forced styles: step s | best forced | "
           "Megatron-LM measured s | free beaten? |")
@@ -91,7 +99,7 @@ def main() -> None:
         spec = mesh(name)
         free, secs = plan(name)
         forced = []
-        for f in forced_styles(spec):
+        for f in forced_styles(spec, args.every):
             p, _ = plan(name, f)
             forced.append((f, p.cost.step_time if p is not None else None))
         fits = [(f, t) for f, t in forced if t is not None]

@@ -47,6 +47,7 @@ from autopar.passes.pipeline_split import StageProgram, ValueMeta
 from autopar.passes.placement import local_shape
 from autopar.passes.rules.random import draws_of, replay
 from autopar.passes.rules.random_stream import STREAM
+from autopar.passes.zero import zero_shard
 
 from .collectives import MeshComm
 from .flat import flatten, unflatten, write_grads
@@ -54,6 +55,7 @@ from .generator import generator_state, set_generator_state
 from .grad_sync import sum_grads
 from .loss import LossSeeding, loss_seeding
 from .params import ParameterStore
+from .zero import ZeroSync
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved": ScheduleInterleaved1F1B}
@@ -245,9 +247,16 @@ class PipelineModule:
         # Gradients of parameters stored replicated are summed once per step, after the last
         # microbatch (summing after each would add partial sums).
         self._replicated = [
-            (k, [p for n, p in self._by_name.items() if p.requires_grad
+            (k, [p for n, p in self._by_name.items() if p.requires_grad and n not in store.zero
                  and isinstance(plan.parameters[n][k], Replicate)])
             for k in range(len(self._sub_shape)) if self._sub_shape[k] > 1]
+        # ZeRO parameters' gradients are reduce-scattered into their shards instead: ZeRO-2's
+        # each microbatch, as a bucket of a stage completes in backward, ZeRO-1's once the
+        # schedule ends (runtime/zero.py)
+        trained = [(store.leaves[n], z) for n, z in store.zero.items()
+                   if store.leaves[n].requires_grad]
+        self._zero_sync = ZeroSync(trained, rank.comm.groups, store.bucket_bytes) \
+            if trained else None
 
         # Random draws: each stage draws, for every microbatch, what the whole batch draws in
         # it on one device (passes/rules/random.py), from the generator state one device
@@ -396,7 +405,10 @@ class PipelineModule:
         feeds = dict(zip(self._input_names, [*inputs, target]))
         first = tuple(inputs) if 0 in self._local else ()
         losses: list = []
+        self._store.refresh()  # ZeRO shards stepped since the last call
         self._store.pull_grads()
+        if self._zero_sync is not None:
+            self._zero_sync.begin(hold=True)
         self._start_draws(run.draws)
         try:
             run.schedule.step(*first, target=torch.tensor(weights, dtype=run.loss_dtype,
@@ -406,6 +418,8 @@ class PipelineModule:
             self._end_draws()
         for k, params in self._replicated:
             sum_grads(params, self._comm.groups[k])
+        if self._zero_sync is not None:
+            self._zero_sync.finish()
         self._sync_shared()
         self._store.push_grads()
         self._sync_buffers(run.written)
@@ -429,22 +443,26 @@ class PipelineModule:
         norm_type = float(norm_type)
         inf = norm_type == float("inf")
         acc = torch.zeros((), dtype=torch.float64, device=self._device)
-        for name, leaf in self._by_name.items():
-            if leaf.grad is None or self._owner[name] != self._coord:
+        store = self._store
+        # (a ZeRO parameter's gradient is its shard's, split over one more mesh dimension)
+        grads = {n: (store.zero[n] if n in store.zero else leaf).grad
+                 for n, leaf in self._by_name.items()}
+        for name, grad in grads.items():
+            if grad is None or self._owner[name] != self._coord:
                 continue
-            g = leaf.grad.detach().double()
+            g = grad.detach().double()
             if inf:
                 acc = torch.maximum(acc, g.abs().max())
                 continue
             copies = math.prod(self._sub_shape[k] for k, p in
-                               enumerate(self.plan.parameters[name]) if isinstance(p, Replicate))
+                               enumerate(store.user_placements(name)) if isinstance(p, Replicate))
             acc = acc + g.abs().pow(norm_type).sum() / copies
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         total = acc if inf else acc.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for leaf in self._by_name.values():
-            if leaf.grad is not None:
-                leaf.grad.mul_(coef.to(leaf.grad.dtype))
+        for grad in grads.values():
+            if grad is not None:
+                grad.mul_(coef.to(grad.dtype))
         return total.float()
 
     def _sync_shared(self) -> None:
@@ -452,8 +470,9 @@ class PipelineModule:
         rank holds no gradient of one)."""
         if not self._shared:
             return
-        params = [self._by_name.get(name) for name in self._shared]
-        shapes = [self._local_shape(name) for name in self._shared]
+        # (a ZeRO parameter's gradient is its shard's: the ZeroParam holds it)
+        params = [self._store.zero.get(name, self._by_name.get(name)) for name in self._shared]
+        shapes = [self._grad_shape(name) for name in self._shared]
         flat = flatten([p.grad if p is not None and p.grad is not None else
                         torch.zeros(shape, device=self._device, dtype=self._full_meta[name][1])
                         for name, p, shape in zip(self._shared, params, shapes)])
@@ -472,11 +491,22 @@ class PipelineModule:
         return tuple(local_shape(self._full_meta[name][0], self.plan.parameters[name],
                                  self._sub_shape))
 
+    def _grad_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of this rank's gradient of parameter `name`: its block's, or under ZeRO
+        its shard's (on every pp rank alike, holding the parameter or not)."""
+        shape = list(self._local_shape(name))
+        if name in self.plan.zero:
+            shard = zero_shard(self._full_meta[name][0], self.plan.parameters[name],
+                               self._sub_shape)
+            shape[shard.dim] //= self._sub_shape[shard.mesh_dim]
+        return tuple(shape)
+
     def infer(self, *inputs, key=None):
         """Inference on the global batch through the pipeline (no autograd), with the stages
         for `key` (see `add_inference`): returns what the original model returns, whole, on
         every rank (outputs are the microbatches' outputs concatenated along dimension 0)."""
         run = self._inferences[key]
+        self._store.refresh()  # ZeRO shards stepped since the last call
         m = self._m = run.microbatches
         feeds = dict(zip(self._input_names, inputs))
         first = tuple(inputs) if 0 in self._local else ()
@@ -503,14 +533,12 @@ class PipelineModule:
         return torch_compat.tree_unflatten(outs, self._out_spec)
 
     # -- whole tensors, for checking and checkpoints -------------------------------------------
-    def _whole(self, name: str, t: torch.Tensor | None) -> torch.Tensor:
-        """The whole tensor on every rank: gathered in the owner's stage, broadcast over pp."""
+    def _whole(self, name: str, gathered) -> torch.Tensor:
+        """The whole tensor on every rank: `gathered()` in the owner's stage (a collective
+        over the stage mesh), broadcast over pp."""
         shape, dtype = self._full_meta[name]
-        storage = self.plan.parameters[name]
         if self._coord == self._owner[name]:
-            x = t if t is not None else torch.zeros(
-                local_shape(shape, storage, self._sub_shape), dtype=dtype, device=self._device)
-            x = self._store.whole(name, x).contiguous()
+            x = gathered().contiguous()
         else:
             x = torch.empty(shape, dtype=dtype, device=self._device)
         dist.broadcast(x, src=dist.get_global_rank(self._group, self._owner[name]),
@@ -518,17 +546,15 @@ class PipelineModule:
         return x
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter reassembled whole (a collective: call on all ranks)."""
-        return {n: self._whole(n, self._by_name.get(n)) for n in self.plan.parameters
-                if n in self._owner}
+        """Every parameter reassembled whole (a collective: call on all ranks; a ZeRO
+        parameter from its shards, which the optimizer stepped)."""
+        return {n: self._whole(n, lambda n=n: self._store.whole(n))
+                for n in self.plan.parameters if n in self._owner}
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """Every gradient reassembled whole (a collective: call on all ranks)."""
-        out = {}
-        for n in self.plan.parameters:
-            if n in self._owner:
-                p = self._by_name.get(n)
-                out[n] = self._whole(n, p.grad if p is not None else None)
-        return out
+        """Every gradient reassembled whole (a collective: call on all ranks; zeros for a
+        parameter without one)."""
+        return {n: self._whole(n, lambda n=n: self._store.whole_grad(n))
+                for n in self.plan.parameters if n in self._owner}
 
 

@@ -146,6 +146,18 @@ def price(sub: StrategyGraph, cost: CostModel, choice: dict[str, Strategy]) -> P
     return out
 
 
+def without_zero(sub: StrategyGraph, forced: dict[str, list[int]] | None = None
+                 ) -> dict[str, list[int]]:
+    """`forced` (node: the strategy indices it may take) with no parameter sharding its
+    optimizer state (ZeRO candidates, which `strategies.build(..., zero=True)` adds)."""
+    out = dict(forced or {})
+    for n, node in sub.nodes.items():
+        if node.kind == PARAM and any(st.zero for st in node.strategies):
+            out[n] = [k for k in out.get(n, range(len(node.strategies)))
+                      if not node.strategies[k].zero]
+    return out
+
+
 def stage_share(sub: StrategyGraph, cost: CostModel) -> float:
     """The share of a stage's FSDP gathers that nothing hides, each microbatch: its first
     bucket's (passes/gathers.py, buckets within the stage), before any of its compute; and
@@ -163,7 +175,10 @@ def solve_subgraph(sub: StrategyGraph, cost: CostModel, cache: dict, *,
     and share the solution position by position. `draw(sub)` replaces the ILP (random plans).
     With the traced `program` (its module hierarchy), the subgraph's repeated layers share
     their decisions (passes.cluster), as in a whole-model solve."""
-    key = (signature(sub), memory_budget, repr(forced), repr(discouraged))
+    position = {name: i for i, name in enumerate(sub.nodes)}  # (names differ between twins)
+    key = (signature(sub), memory_budget,
+           *(tuple(sorted((position[n], tuple(ks)) for n, ks in (d or {}).items()))
+             for d in (forced, discouraged)))
     if key not in cache:
         if draw is not None:
             index = draw(sub)
@@ -230,7 +245,8 @@ def price_blocks(graph: StrategyGraph, cost: CostModel, block_of: dict[str, int]
                  names: list[str], link, *, backend: str = "HIGHS", time_limit: float = 60.0
                  ) -> list[Block]:
     """Price every block on the submesh (intra-op ILP per distinct block, no memory limit, its
-    boundary inputs free) and every cut between blocks on the pp `link`."""
+    boundary inputs free, no ZeRO: as the free stages are solved) and every cut between
+    blocks on the pp `link`."""
     cache: dict = {}
     members: dict[int, list[str]] = {b: [] for b in range(len(names))}
     for name, b in block_of.items():
@@ -239,7 +255,8 @@ def price_blocks(graph: StrategyGraph, cost: CostModel, block_of: dict[str, int]
     blocks = []
     for b, name in enumerate(names):
         sub = subgraph(graph, members[b], {})
-        picked = solve_subgraph(sub, cost, cache, backend=backend, time_limit=time_limit)
+        picked = solve_subgraph(sub, cost, cache, backend=backend, time_limit=time_limit,
+                                forced=without_zero(sub))
         choice.update({n: s for n, s in picked.items() if n in members[b]
                        or graph.nodes[n].kind == PARAM})
         p = price(sub, cost, picked)

@@ -18,7 +18,6 @@ from autopar.zoo import GPT, GPTConfig, lm_loss
 MESHES = [((8,), ("dp",)), ((4, 2), ("dp", "tp")), ((2, 4), ("dp", "tp")),
           ((4, 2), ("dp", "pp")), ((2, 2, 2), ("dp", "pp", "tp"))]
 STYLES = ("data", "fsdp", "zero1", "zero2", "tensor")
-PIPELINED_STYLES = ("data", "fsdp", "tensor")  # pipeline stages shard no optimizer state
 
 # The solver stops within this relative gap of its optimum (solver/ilp.py)
 GAP = 1e-4
@@ -37,8 +36,7 @@ def _plan(layers, hidden, batch, seq, shape, names, hardware, microbatches, forc
 @st.composite
 def _cases(draw):
     shape, names = draw(st.sampled_from(MESHES))
-    styles = PIPELINED_STYLES if "pp" in names else STYLES
-    force = {n: draw(st.sampled_from(styles)) for n in names if n != "pp"}
+    force = {n: draw(st.sampled_from(STYLES)) for n in names if n != "pp"}
     batch = draw(st.sampled_from([16, 64]))
     microbatches = draw(st.sampled_from([None, 4])) if "pp" in names else None
     return dict(layers=draw(st.sampled_from([2, 4])),

@@ -350,7 +350,7 @@ def test_a_stages_fsdp_gathers_hide_under_its_compute_on_gpus():
                                                 plan.cost.exposed_communication)
     program = trace(model, (ids[:4],), lm_loss, ids[:4],
                     compute_dtype=torch.bfloat16)
-    graph = strategies.build(program, (4,))
+    graph = strategies.build(program, (4,), zero=True)
     choice = choice_from_plan(plan, graph)
     stage_of = layer_blocks(program, graph).stage_of(plan.pipeline.cuts, 2)
     sub = sp.subgraph(graph, [n for n in graph.nodes if stage_of.get(n) == 1], choice)
@@ -524,7 +524,7 @@ def test_stage_programs_are_the_same_across_a_stage_group(seed):
     plan = gpt_pp_plan((2, 2), ("pp", "dp"), microbatches=2, solver="random", seed=seed)
     model, loss_fn, (x, y) = rank_tasks.build("gpt")
     program = trace(model, (x[:2],), loss_fn, y[:2])
-    graph = strategies.build(program, (2,))
+    graph = strategies.build(program, (2,), zero=True)
     choice = choice_from_plan(plan, graph)
     blocks = layer_blocks(program, graph)
     first = [0, *plan.pipeline.cuts]
@@ -552,7 +552,7 @@ def test_fsdp_stages_gather_and_prefetch_their_own_buckets():
     plan = gpt_pp_plan((2, 2), ("pp", "dp"), microbatches=2, force={"dp": "fsdp"})
     model, loss_fn, (x, y) = rank_tasks.build("gpt")
     program = trace(model, (x[:2],), loss_fn, y[:2])
-    graph = strategies.build(program, (2,))
+    graph = strategies.build(program, (2,), zero=True)
     choice = choice_from_plan(plan, graph)
     blocks = layer_blocks(program, graph)
     stage_of = blocks.stage_of(plan.pipeline.cuts, 2)
@@ -608,6 +608,11 @@ EQUIVALENCE = [
     ("hf_gpt2_dropout", (2,), ("pp",), {"microbatches": 2, "schedule": "1f1b"}),
     # a plan made by autopar.plan, saved and loaded, then run
     ("gpt", (2,), ("pp",), {"microbatches": 4, "schedule": "gpipe", "given_plan": True}),
+    # ZeRO inside the stages: ZeRO-1 with the tied embedding's shards summed over pp, and
+    # ZeRO-2 reduce-scattering each microbatch in small buckets across interleaved stages
+    ("gpt", (2, 2), ("pp", "dp"), {"microbatches": 2, "force": {"dp": "zero1"}}),
+    ("hf_llama", (2, 2), ("pp", "dp"), {"microbatches": 2, "schedule": "interleaved",
+                                        "force": {"dp": "zero2"}, "bucket_bytes": 4096}),
     # recomputation inside the stages: full and selective, interleaved, with FSDP, dropout
     # (recomputed in backward after other microbatches' forwards: the same numbers, rows)
     ("hf_gpt2_dropout", (2,), ("pp",), {"microbatches": 2, "schedule": "1f1b",
@@ -635,6 +640,9 @@ def test_pipelined_training_equals_single_device(world2, world4, name, shape, na
     assert len(pipe["cuts"]) == stages - 1
     if "recompute" in options:
         assert set(plan["recompute"]["mode_of"].values()) == {options["recompute"]}
+    style = options.get("force", {}).get("dp", "")
+    if style.startswith("zero"):
+        assert set(plan["zero"].values()) == {int(style[-1])}
 
 
 def test_pipelined_errors_reach_every_rank(world2):

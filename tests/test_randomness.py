@@ -214,7 +214,8 @@ def test_counter_randomness_trains_alike_under_every_plan(world2, world4, name):
     """GPT-2 with embedding, residual and SDPA dropout, and an MLP with rand_like, randn_like,
     bernoulli and dropout, in counter randomness: one device, data, FSDP, tensor parallel,
     accumulation over 2 microbatches, full recomputation, data x tensor and a 1F1B pipeline
-    x data, without and with full recomputation in its stages, give the same losses and parameters after two AdamW steps (float64, to rounding)."""
+    x data, without and with full recomputation in its stages, give the same losses and
+    parameters after two AdamW steps (float64, to rounding)."""
     got = _runs(get_world(1), name, (1,), ("dp",), [{}])
     got += _runs(world2, name, (2,), ("dp",),
                  [{"force": "data"}, {"force": "fsdp"}, {"force": "tensor"},
