@@ -297,10 +297,9 @@ def _solve_stages(cut: _Cut, at: _Setting, running: Plan | None) -> tuple[list, 
     longest gradient synchronization), so stages solved one by one can miss a plan the step
     prices faster. Without `force`, the plans forced to each style per stage mesh dimension
     (data, fsdp, zero1, zero2, tensor: what `force=` would give on this cut) are solved
-    too, each given up
-    once the stages solved so far cannot beat the plan found (`_StageSolve.in_order`), and
-    the fastest step wins: the free plan is never slower than a forced one by the planner's
-    own prices."""
+    too, each given up once the stages solved so far cannot beat the plan found
+    (`_StageSolve.in_order`), and the fastest step wins: the free plan is never slower than
+    a forced one by the planner's own prices."""
     stage_of = cut.blocks.stage_of(cut.best.cuts, at.p * cut.best.virtual_stages)
     ctx = _StageSolve(cut, at, running, stage_of)
     # free: ZeRO only where forced (each stage's ILP would price ZeRO's synchronization per
@@ -360,8 +359,8 @@ class _StageSolve:
         parameters is also solved first and its storage of them kept by the others, and the
         pipeline priced fastest wins."""
         graph, stage_of = self.cut.graph, self.stage_of
-        if styles and not self.fits(styles):
-            raise NoFeasiblePlan(f"the parameters of a stage do not fit under {styles}")
+        if styles:
+            self.check_parameters(styles)
         shared = _shared_parameters(graph, stage_of)
         users = sorted({stage_of[v.name] for v in graph.nodes.values() if v.name in stage_of
                         and any(u in shared for u, _ in v.inputs)})
@@ -396,10 +395,10 @@ class _StageSolve:
             raise error
         return best
 
-    def fits(self, styles: dict[int, str]) -> bool:
-        """False when some stage's parameters alone, each stored the cheapest way `styles`
-        allow (with its gradient and optimizer state: `CostModel.param_memory`, what the
-        stage's ILP counts), exceed a stage's share of the budget: no plan under `styles`
+    def check_parameters(self, styles: dict[int, str]) -> None:
+        """NoFeasiblePlan when some stage's parameters alone, each stored the cheapest way
+        `styles` allow (with its gradient and optimizer state: `CostModel.param_memory`, what
+        the stage's ILP counts), exceed a stage's share of the budget: no plan under `styles`
         fits (a stage's other bytes only add). Checked before any stage is solved."""
         graph, cost = self.cut.graph, self.cut.cost
         params = {n: v for n, v in graph.nodes.items() if v.kind == PARAM}
@@ -414,7 +413,20 @@ class _StageSolve:
                 used.setdefault(self.stage_of[v.name], set()).update(
                     u for u, _ in v.inputs if u in params)
         budget = stage_budget(self.at.budget, self.cut.best.virtual_stages)
-        return all(sum(cheapest[u] for u in us) <= budget for us in used.values())
+        for s, us in sorted(used.items()):
+            need = sum(cheapest[u] for u in us)
+            if need > budget:
+                raise NoFeasiblePlan(
+                    f"pipeline stage {s} ({', '.join(self.blocks_of(s))}): its parameters "
+                    f"alone, with their gradients and optimizer state stored as the styles "
+                    f"{sorted(styles.values())} allow, take {need / 2**30:.2f} GiB of the "
+                    f"{budget / 2**30:.2f} GiB per device a stage may use; use more pp ranks "
+                    "or a style that shards them (fsdp, zero1, zero2, tensor)")
+
+    def blocks_of(self, s: int) -> list[str]:
+        """The names of stage `s`'s layer blocks."""
+        bounds = [0, *self.cut.best.cuts, len(self.cut.blocks.names)]
+        return self.cut.blocks.names[bounds[s]:bounds[s + 1]]
 
     def stage(self, s: int, choice: dict[str, Strategy], styles: dict[int, str],
               zero: bool = True) -> tuple[StrategyGraph, dict]:
@@ -441,10 +453,8 @@ class _StageSolve:
                                      forced=forced, discouraged=discouraged, draw=self.draw,
                                      program=cut.program.graph_module)
         except NoFeasiblePlan:
-            bounds = [0, *cut.best.cuts, len(cut.blocks.names)]
-            names = cut.blocks.names[bounds[s]:bounds[s + 1]]
             raise NoFeasiblePlan(
-                f"pipeline stage {s} ({', '.join(names)}) fits no plan within "
+                f"pipeline stage {s} ({', '.join(self.blocks_of(s))}) fits no plan within "
                 f"{stage_budget(at.budget, v) / 2**30:.2f} GiB per device with "
                 f"{self.worst:g} microbatches in flight; use more pp ranks or more "
                 "microbatches") from None
