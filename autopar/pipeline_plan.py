@@ -186,8 +186,9 @@ def _recomputing(trace_at, batch: int, mesh: MeshSpec, options: PlanOptions,
     return found
 
 
-# A plan whose peak is within this share of the budget is held back by memory: recomputing
-# more may let the stages choose faster placements (autopar/planner.py's BINDING).
+# A plan whose peak is within this share of the budget is held back by memory: recomputation
+# (which frees activations) may let the solver choose faster placements, so it is tried too
+# (here and in autopar/planner.py's memory search).
 BINDING = 0.9
 
 

@@ -46,7 +46,7 @@ from .force import styles_by_dim
 from .inputs import indivisible
 from .mesh import MeshSpec
 from .options import RECOMPUTE, PlanOptions
-from .pipeline_plan import solve_pipeline_plan
+from .pipeline_plan import BINDING, solve_pipeline_plan
 from .plan import Plan
 from .progress import Progress
 
@@ -515,9 +515,6 @@ def level_floor(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
 # the plan found, and its solve took 7 s).
 LEVEL_GAP = 0.02
 
-# A plan whose peak is within this share of the budget is held back by memory: recomputation
-# (which frees activations) may let the solver choose faster placements, so it is tried too.
-BINDING = 0.9
 
 
 def accumulated(plan: Plan, m: int) -> Plan:
