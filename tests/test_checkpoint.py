@@ -28,6 +28,16 @@ def test_resume_into_and_out_of_a_pipeline(world2, tmp_path, first, second):
     world2.run(tasks.resume_into_and_out_of_a_pipeline, str(tmp_path / "ckpt"), first, second)
 
 
+@pytest.mark.parametrize("first,second", [
+    (((2, 2), ("pp", "dp"), {"dp": "zero1"}), ((4,), ("dp",), "fsdp")),
+    (((4,), ("dp",), "zero1"), ((2, 2), ("pp", "dp"), {"dp": "zero2"}))],
+    ids=["pp-zero1-to-fsdp", "zero1-to-pp-zero2"])
+def test_resume_into_and_out_of_pipelined_zero(world4, tmp_path, first, second):
+    """ZeRO inside pipeline stages: the optimizer's sharded state and the stepped shards
+    save and load across plans, and training continues as on one device."""
+    world4.run(tasks.resume_into_and_out_of_a_pipeline, str(tmp_path / "ckpt"), first, second)
+
+
 @pytest.mark.parametrize("mesh,force", [((2,), "fsdp"), ((2,), "tensor")], ids=str)
 def test_full_state_dict_round_trip(world2, mesh, force):
     world2.run(tasks.full_state_dict_round_trip, mesh, force)
