@@ -63,7 +63,8 @@ def test_worker_processes_find_the_plan_one_process_finds():
     """Candidates planned in forked workers: the same plan and ranking (ties broken in
     candidate order, not by which finished first), each candidate's seconds its own."""
     model, example = _gpt()
-    cluster = autopar.Cluster(8, hardware="h100", pipeline=True)
+    # (4 devices: pipelined candidates among the rest, each planned under every stage style)
+    cluster = autopar.Cluster(4, hardware="h100", pipeline=True)
     alone = autopar.plan(model, cluster, example, loss_fn=lm_loss, search_workers=1)
     forked = autopar.plan(model, cluster, example, loss_fn=lm_loss, search_workers=3)
     assert forked.hash() == alone.hash() and forked.mesh == alone.mesh
