@@ -6,8 +6,9 @@ microbatches add up to the whole batch (`microbatch_problem`), coarsen the graph
 blocks (`planned_blocks`), price every block on the stage mesh (the mesh's dimensions but pp:
 autopar/plan.py `stage_dims`) and cut the chain of blocks into stages for the fastest schedule
 (solver/stages.py), solve each stage's intra-op ILP with its inputs where the stage before
-produced them (solver/stage_pricing.py), and describe and price the result (a Plan with its
-PipelinePlan).
+produced them (solver/stage_pricing.py; freely, and under each style per stage mesh dimension,
+the fastest step kept: `_solve_stages`), and describe and price the result (a Plan with its
+PipelinePlan). All of it once per recomputation mode tried (`_recomputing`).
 
 The story goes on in:
 - cutting: passes/pipeline_split.py `split_stages`, a rank's rewritten program cut into one
@@ -30,7 +31,7 @@ from autopar.passes.batch_local import split_problem
 from autopar.passes.pipeline_split import LayerBlocks, layer_blocks
 from autopar.passes.recompute import MODES, recompute_plan
 from autopar.passes.strategies import OP, PARAM, Strategy, StrategyGraph
-from autopar.passes.styles import allowed_strategies
+from autopar.passes.styles import STYLES, allowed_strategies
 from autopar.passes.trace import TracedProgram
 from autopar.solver.assignments import random_choice
 from autopar.solver.cost import CostModel
@@ -320,7 +321,7 @@ class _Outpaced(Exception):
 
 # The styles `force=` may give a stage mesh dimension, which the free pipelined plan is never
 # slower than.
-PIPELINED_STYLES = ("data", "fsdp", "zero1", "zero2", "tensor")
+PIPELINED_STYLES = tuple(s for s in STYLES if s != "auto")
 
 
 def _shared_parameters(graph: StrategyGraph, stage_of: dict[str, int]) -> set[str]:
