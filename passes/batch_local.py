@@ -6,7 +6,9 @@ averages over them: BatchNorm's batch statistics, a contrastive loss comparing e
 with every other, a feature centred on the batch's mean, a (B, 1) prediction broadcast
 against a (B,) target all mix them. The sharding rules know which ops keep samples apart: an
 op does when one of its strategies takes each input that carries the batch sharded as it
-arrives (no collective), and every other input whole or sliced (which needs none). `mixing`
+arrives (no collective, inside the op either: BatchNorm in training mode shards the batch
+only by summing its statistics over the ranks), and every other input whole or sliced (which
+needs none). `mixing`
 starts from the inputs whose first dimension is the batch, sharded on it over one mesh
 dimension (of the planner's strategy graph, or of a mesh of m devices), propagates the
 placements each value can have that way, and names the first op that has none; an op
@@ -31,6 +33,7 @@ from . import strategies
 from .graph_queries import drawing_ops, source_line, state_writes
 from .loss_weights import loss_tail, of_program
 from .placement import R, interned, is_partial
+from .rules import facts_of
 from .rules.random import RANDOM_OPS
 from .trace import TracedProgram
 
@@ -184,7 +187,11 @@ def _propagate(graph: strategies.StrategyGraph, inputs: list[str], batch: int, d
             continue
         outs = range(len(v.out_shapes)) if v.multi_output else [None]
         found = False
+        exchanges = facts_of(v.call.target).exchanges if v.call is not None else None
         for s in v.strategies:
+            if exchanges is not None and exchanges(v.call, s.inputs, graph.mesh_shape,
+                                                   lambda dt: dt.itemsize):
+                continue  # its ranks exchange statistics of the batch (BatchNorm's)
             if all((s.inputs[i] in possible[edge]) if i in carried else _local(s.inputs[i])
                    for i, edge in enumerate(v.inputs)):
                 found = True

@@ -136,14 +136,22 @@ def state_writes(gm: fx.GraphModule, writes: dict[str, str] | None = None
     """The ops of `gm` that write into graph inputs in forward, with the inputs each writes:
     `writes` (`input_writes` of `gm`, as TracedProgram.writes keeps it; found when not given)
     and the norms that update running statistics held in graph inputs (BatchNorm in training
-    mode: aten.batch_norm, whose schema does not say it writes them)."""
+    mode: aten.batch_norm, whose schema does not say it writes them; in a rank's program, the
+    callable a rule lowered it to, whose `writes_args` says which arguments it updates)."""
     out = {n: {i} for n, i in (input_writes(gm, set()) if writes is None else writes).items()}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in _RUNNING_STATS:
+        if node.op != "call_function":
             continue
-        flag, stats = _RUNNING_STATS[node.target]
-        training = node.args[flag] if len(node.args) > flag else node.kwargs.get("training")
-        if training is not True:
+        if node.target in _RUNNING_STATS:
+            flag, stats = _RUNNING_STATS[node.target]
+            training = node.args[flag] if len(node.args) > flag else node.kwargs.get("training")
+            if training is not True:
+                continue
+        elif getattr(node.target, "writes_args", None):
+            # a norm lowered for a rank's program (passes/rules/norms.py sync_batch_norm's
+            # callable): the positions of the arguments it updates in place
+            stats = node.target.writes_args
+        else:
             continue
         for i in stats:
             base = input_base(node.args[i] if len(node.args) > i else None)

@@ -235,7 +235,7 @@ class _RankProgram:
         call = snode.call
         args, kwargs = _substitute((call.args, call.kwargs), local_inputs)
         ctx = replace(local_context(snode, strat, self.mesh_shape, self.coords),
-                      randomness=randomness)
+                      randomness=randomness, comm=self.comm)
         if microbatches is not None and node.name in microbatches[1]:
             ctx = replace(ctx, microbatches=(microbatches[1][node.name], microbatches[0]))
         lower = LOWERINGS.get(node.target) if snode.kind != CONSTANT else None

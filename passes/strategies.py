@@ -261,9 +261,10 @@ def build(program: TracedProgram, mesh_shape: tuple[int, ...],
     loss = flat_out[-1] if program.has_loss else None
     outputs = flat_out[:program.num_outputs]
     for name in sorted(set(unsupported)):
-        warnings.warn(f"autopar: no sharding rule for {name}; it runs replicated (every rank "
-                      "computes it whole). Add a rule in autopar/passes/rules to shard it.",
-                      stacklevel=2)
+        warnings.warn(f"autopar: no sharding rule for {name}; it runs replicated: every rank "
+                      "computes it whole, which is exact but gains nothing from the mesh. "
+                      "print(plan) marks the modules that run it ('no rule'); written with "
+                      "other torch ops, the plan may shard them.", stacklevel=2)
     return StrategyGraph(nodes, mesh_shape, loss, outputs, sorted(set(unsupported)),
                          program.compute_dtype)
 

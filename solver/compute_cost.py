@@ -95,6 +95,8 @@ class ComputePrices:
                     self.grad_accumulation_seconds(node, strategy.output, strategy.zero)
             return fwd, bwd
         fwd, bwd = self._compute_times(node, strategy)
+        exchanged = self.exchange_time(node, strategy)
+        fwd, bwd = fwd + exchanged, bwd + (exchanged if bwd else 0.0)
         mode = self.recompute.mode_of.get(node.name)
         if mode == "full" or mode == "selective" and not saved_under_selective(
                 node, facts(node).product):
@@ -102,6 +104,16 @@ class ComputePrices:
         if bwd:
             bwd += self.accumulation_time(node, strategy)
         return fwd, bwd
+
+    def exchange_time(self, node: SNode, strategy: Strategy) -> float:
+        """Seconds of the collectives an op runs inside itself under `strategy`, each way
+        (`OpFacts.exchanges`: BatchNorm's batch statistics over a sharded batch)."""
+        exchanges = facts(node).exchanges
+        if exchanges is None or node.call is None:
+            return 0.0
+        return sum(self.collective_time(kind, k, nbytes)
+                   for kind, k, nbytes in exchanges(node.call, strategy.inputs, self.shape,
+                                                    lambda dt: self.dtype(dt).itemsize))
 
     def master_cast_times(self, node: SNode, storage: Placements) -> tuple[float, float]:
         """(forward, backward) seconds of a parameter's casts under mixed precision: its local
@@ -262,6 +274,8 @@ class ComputePrices:
                 return (2.5 if backward else 1.0) * flops / rate
             return (backward_factor(node) if backward else 1.0) * flops / (
                 peak * self.hw.matmul_efficiency)
+        if facts(node).kernel == "conv":  # convolutions run at a matrix product's rate
+            return flops / (peak * self.hw.matmul_efficiency)
         return flops / peak
 
     def draw_time(self, node: SNode, strategy: Strategy | None = None) -> float:

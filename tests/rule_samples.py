@@ -469,6 +469,77 @@ add(aten.batch_norm.default, "batch_statistics", lambda g: call(g.f(6, 4, 5), g.
                                                                 None, None, True, 0.1, 1e-5,
                                                                 False))
 
+# training mode: the batch's statistics (summed over the ranks sharing the batch) and the
+# running statistics updated (their in-place writes are not compared here)
+add(aten.batch_norm.default, "training", lambda g: call(g.f(6, 6, 5), g.f(6), g.f(6), g.f(6),
+                                                        g.pos(6), True, 0.1, 1e-5, False),
+    no_grad=(3, 4))
+add(aten.batch_norm.default, "training_2d", lambda g: call(g.f(6, 4, 3, 2), None, None,
+                                                           g.f(4), g.pos(4), True, 0.1, 1e-5,
+                                                           False),
+    no_grad=(1, 2))
+
+# ---------------------------------------------------------------------------------------------
+# Convolutions, pooling, resampling
+# ---------------------------------------------------------------------------------------------
+
+add(aten.conv2d.default, "bias", lambda g: call(g.f(6, 6, 5, 5), g.f(12, 6, 3, 3), g.f(12),
+                                                [1, 1], [1, 1]))
+add(aten.conv2d.default, "no_bias_strided", lambda g: call(g.f(6, 6, 7, 7), g.f(6, 6, 3, 3),
+                                                           None, [2, 2], [1, 1]))
+add(aten.conv2d.default, "depthwise", lambda g: call(g.f(4, 6, 5, 5), g.f(12, 1, 3, 3),
+                                                     g.f(12), [1, 1], [1, 1], [1, 1], 6))
+add(aten.conv2d.default, "groups", lambda g: call(g.f(6, 4, 5, 5), g.f(6, 2, 3, 3), None,
+                                                  [1, 1], [0, 0], [1, 1], 2))
+add(aten.conv2d.default, "unbatched", lambda g: call(g.f(6, 5, 5), g.f(6, 6, 3, 3)))
+add(aten.conv2d.padding, "same", lambda g: call(g.f(6, 6, 5, 5), g.f(6, 6, 3, 3), None, [1, 1],
+                                                "same"))
+add(aten.conv1d.default, "bias", lambda g: call(g.f(6, 6, 9), g.f(6, 6, 3), g.f(6)))
+add(aten.conv1d.padding, "same", lambda g: call(g.f(6, 6, 9), g.f(6, 6, 3), None, [1], "same"))
+add(aten.conv3d.default, "plain", lambda g: call(g.f(6, 6, 3, 4, 4), g.f(6, 6, 2, 2, 2)))
+add(aten.conv3d.padding, "same", lambda g: call(g.f(6, 6, 3, 4, 4), g.f(6, 6, 3, 3, 3), None,
+                                                [1, 1, 1], "same"))
+add(aten.conv_transpose1d.default, "plain", lambda g: call(g.f(6, 6, 5), g.f(6, 6, 3)))
+add(aten.conv_transpose2d.input, "bias_strided", lambda g: call(
+    g.f(6, 6, 4, 4), g.f(6, 12, 3, 3), g.f(12), [2, 2], [1, 1], [1, 1]))
+add(aten.conv_transpose3d.input, "plain", lambda g: call(g.f(6, 6, 2, 3, 3), g.f(6, 6, 2, 2, 2)))
+# (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+add(aten.convolution.default, "plain", lambda g: call(
+    g.f(6, 6, 5, 5), g.f(12, 6, 3, 3), g.f(12), [1, 1], [1, 1], [1, 1], False, [0, 0], 1))
+add(aten.convolution.default, "depthwise", lambda g: call(
+    g.f(6, 6, 5, 5), g.f(6, 1, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 6))
+add(aten.convolution.default, "transposed", lambda g: call(
+    g.f(6, 6, 4, 4), g.f(6, 6, 3, 3), None, [2, 2], [1, 1], [1, 1], True, [1, 1], 1))
+
+_PLANES = {  # op: (its arguments after the input, the spatial dimensions)
+    aten.max_pool1d.default: (([3], [2]), 1), aten.avg_pool1d.default: (([2],), 1),
+    aten.adaptive_avg_pool1d.default: (([3],), 1), aten.adaptive_max_pool1d.default: (([3],), 1),
+    aten.upsample_nearest1d.vec: ((None, [2.0]), 1),
+    aten.upsample_linear1d.vec: ((None, False, [2.0]), 1),
+    aten.max_pool2d.default: (([3, 3], [2, 2], [1, 1]), 2),
+    aten.max_pool2d_with_indices.default: (([2, 2],), 2),
+    aten.avg_pool2d.default: (([2, 2], [2, 2]), 2),
+    aten.adaptive_avg_pool2d.default: (([1, 1],), 2),
+    aten._adaptive_avg_pool2d.default: (([2, 3],), 2),
+    aten.adaptive_max_pool2d.default: (([2, 2],), 2),
+    aten.upsample_nearest2d.vec: (([10, 10], None), 2),
+    aten.upsample_bilinear2d.vec: ((None, True, [2.0, 2.0]), 2),
+    aten.upsample_bicubic2d.vec: (([7, 7], False, None), 2),
+    aten.max_pool3d.default: (([2, 2, 2],), 3),
+    aten.max_pool3d_with_indices.default: (([2, 2, 2],), 3),
+    aten.avg_pool3d.default: (([2, 2, 2],), 3),
+    aten.adaptive_avg_pool3d.default: (([1, 2, 2],), 3),
+    aten._adaptive_avg_pool3d.default: (([1, 1, 1],), 3),
+    aten.adaptive_max_pool3d.default: (([1, 2, 2],), 3),
+    aten.upsample_nearest3d.vec: (([4, 8, 8], None), 3),
+    aten.upsample_trilinear3d.vec: ((None, False, [1.0, 2.0, 2.0]), 3),
+}
+_PLANE_SHAPES = {1: (6, 6, 8), 2: (6, 6, 5, 5), 3: (6, 6, 2, 4, 4)}
+for _op, (_rest, _dims) in _PLANES.items():
+    add(_op, f"{_dims}d", lambda g, rest=_rest, dims=_dims: call(
+        g.f(*_PLANE_SHAPES[dims]), *rest))
+add(aten.max_pool2d.default, "unbatched", lambda g: call(g.f(6, 5, 5), [2, 2]))
+
 # ---------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ backward  a random output gradient G is handed out per the dual of the output pl
 
 from __future__ import annotations
 
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,15 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.passes.placement import divisible, fmt, local_shape, local_slices
-from autopar.passes.rules import LOWERINGS, RULES, LocalContext, OpCall, Rule1D, TensorArg
+from autopar.passes.rules import (
+    LOWERINGS,
+    RULES,
+    LocalContext,
+    OpCall,
+    Rule1D,
+    TensorArg,
+    facts_of,
+)
 from autopar.passes.strategies import ints_not_partial
 from autopar.passes.torch_compat import tree_leaves, tree_map
 from tests.rule_samples import SAMPLES, Gen, Sample
@@ -234,7 +243,74 @@ def _grad_inputs(sample: Sample, tensors: list[torch.Tensor]) -> list[int]:
             if t.dtype.is_floating_point and i not in sample.no_grad]
 
 
-def _local_run(call: OpCall, locals_: list[torch.Tensor], rule: Rule1D, n: int, r: int):
+class _ThreadComm:
+    """The collectives of n simulated ranks run in threads, for an op whose lowering exchanges
+    something itself (`OpFacts.exchanges`: BatchNorm's batch statistics): an all-reduce
+    whose adjoint is an all-reduce, summing in rank order on every rank."""
+
+    def __init__(self, n: int):
+        self.barrier = threading.Barrier(n)
+        self.slots: list = [None] * n
+        self.local = threading.local()
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        self.slots[self.local.rank] = x
+        self.barrier.wait()
+        total = self.slots[0].clone()
+        for other in self.slots[1:]:
+            total = total + other
+        self.barrier.wait()
+        return total
+
+    def all_reduce(self, x: torch.Tensor, mesh_dim: int) -> torch.Tensor:
+        comm = self
+
+        class _Sum(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return comm._sum(t.detach())
+
+            @staticmethod
+            def backward(ctx, grad):
+                return comm._sum(grad)
+
+        return _Sum.apply(x)
+
+
+def _exchanges(call: OpCall, rule: Rule1D, n: int) -> bool:
+    """Whether the op's lowering under `rule` runs collectives of its own."""
+    exchanges = facts_of(call.target).exchanges
+    return exchanges is not None and bool(exchanges(call, tuple((p,) for p in rule.inputs),
+                                                    (n,), lambda dt: dt.itemsize))
+
+
+def _on_ranks(n: int, comm: _ThreadComm | None, work) -> list:
+    """work(r) for each rank r: one after another, or with `comm` in one thread each."""
+    if comm is None:
+        return [work(r) for r in range(n)]
+    results: list = [None] * n
+    errors: list = []
+
+    def run(r: int) -> None:
+        comm.local.rank = r
+        try:
+            results[r] = work(r)
+        except BaseException as e:  # noqa: BLE001 (re-raised below, in the test's thread)
+            errors.append(e)
+            comm.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _local_run(call: OpCall, locals_: list[torch.Tensor], rule: Rule1D, n: int, r: int,
+               comm: _ThreadComm | None = None):
     def put(a):
         return locals_[a.index] if isinstance(a, TensorArg) else a
 
@@ -244,7 +320,7 @@ def _local_run(call: OpCall, locals_: list[torch.Tensor], rule: Rule1D, n: int, 
     ctx = LocalContext(
         (n,), (r,), tuple((p,) for p in rule.inputs),
         tuple((p,) for p in outs_p) if call.multi_output else (rule.output,),
-        [local_shape(s, (p,), (n,)) for s, p in zip(call.out_shapes, outs_p)])
+        [local_shape(s, (p,), (n,)) for s, p in zip(call.out_shapes, outs_p)], comm=comm)
     lower = LOWERINGS.get(call.target)
     fn, args, kwargs = lower(call, args, kwargs, ctx) if lower else (call.target, args, kwargs)
     return _outputs(fn(*args, **kwargs))
@@ -273,10 +349,14 @@ def check(case: Case) -> None:
     per_input = [scatter(t, p, n, gen) for t, p in zip(flat, rule.inputs)]
     l_in = [[per_input[i][r].detach().requires_grad_(i in grad_idx) for i in range(len(flat))]
             for r in range(n)]
-    l_outs = []
-    for r in range(n):
-        torch.manual_seed(seed)
-        l_outs.append(_local_run(call, l_in[r], rule, n, r))
+    comm = _ThreadComm(n) if _exchanges(call, rule, n) else None
+
+    def forward(r: int) -> list:
+        if comm is None:  # (the generator is global: random ops run one rank at a time)
+            torch.manual_seed(seed)
+        return _local_run(call, l_in[r], rule, n, r, comm)
+
+    l_outs = _on_ranks(n, comm, forward)
 
     for k, (go, p) in enumerate(zip(g_outs, outs_p)):
         parts = [l_outs[r][k] for r in range(n)]
@@ -301,14 +381,18 @@ def check(case: Case) -> None:
                                allow_unused=True)
     local_G = {k: scatter_grad(G[k], outs_p[k], n, gen) for k in diff}
     got_parts: list[list[torch.Tensor]] = [[] for _ in grad_idx]
-    for r in range(n):
+
+    def backward(r: int) -> list:
         outs = [k for k in diff if l_outs[r][k].requires_grad]
         leaves = [l_in[r][i] for i in grad_idx]
         grads = torch.autograd.grad([l_outs[r][k] for k in outs], leaves,
                                     [local_G[k][r] for k in outs],
                                     allow_unused=True) if outs else [None] * len(leaves)
-        for j, (gr, leaf) in enumerate(zip(grads, leaves)):
-            got_parts[j].append(torch.zeros_like(leaf) if gr is None else gr)
+        return [torch.zeros_like(leaf) if gr is None else gr for gr, leaf in zip(grads, leaves)]
+
+    for grads in _on_ranks(n, comm, backward):
+        for j, gr in enumerate(grads):
+            got_parts[j].append(gr)
     # Gradients are exact too where nothing is summed across ranks: every placement Shard (a
     # replicated value's gradient is a sum of per-rank shares, which rounds).
     exact = sample.exact and all(isinstance(p, Shard) for p in (*rule.inputs, *outs_p))

@@ -3,6 +3,7 @@ rules and op facts."""
 
 from . import (  # noqa: F401
     attention,
+    convolution,
     embedding_loss,
     indexing,
     matmul,

@@ -4,7 +4,22 @@ from __future__ import annotations
 
 import math
 
-from .registry import SAVES_INPUTS, OpCall, R, Rule1D, Shard, aten, facts, register
+import torch
+from torch.distributed.tensor import Shard as ShardType
+
+from .registry import (
+    SAVES_INPUTS,
+    LocalContext,
+    OpCall,
+    R,
+    Rule1D,
+    Shard,
+    TensorArg,
+    aten,
+    facts,
+    lowering,
+    register,
+)
 
 
 def _statistics(call: OpCall, in_local, out_local, itemsize) -> float:
@@ -18,9 +33,6 @@ def _statistics(call: OpCall, in_local, out_local, itemsize) -> float:
 
 facts(aten.layer_norm.default, aten.rms_norm.default, aten.native_layer_norm.default,
       flops_per_element=20.0, saves=SAVES_INPUTS, extra_saved=_statistics, kernel="norm")
-facts(aten.group_norm.default, aten.native_group_norm.default, aten.batch_norm.default,
-      aten._native_batch_norm_legit_functional.default, flops_per_element=20.0,
-      saves=SAVES_INPUTS, kernel="norm")
 
 
 @register(aten.layer_norm.default, aten.rms_norm.default)
@@ -33,19 +45,94 @@ def layer_norm(call: OpCall) -> list[Rule1D]:
     return rules + [Rule1D((R, *weights), R)]
 
 
+def _batch_norm_exchanges(call: OpCall, inputs, mesh_shape, itemsize) -> list:
+    """In training mode with the batch (or a spatial dimension) sharded: the per-channel
+    sums, then the sums of squared deviations, all-reduced over each mesh dimension that
+    shards them (`sync_batch_norm`)."""
+    if not call.arg(5, "training", False):
+        return []
+    x = call.inputs[0]
+    nbytes = 2 * x.shape[1] * max(itemsize(x.dtype), 4)  # (statistics in float32 at least)
+    return [("all_reduce", k, nbytes) for k, p in enumerate(inputs[0])
+            if isinstance(p, ShardType) and p.dim != 1 and mesh_shape[k] > 1]
+
+
+facts(aten.group_norm.default, aten.native_group_norm.default,
+      aten._native_batch_norm_legit_functional.default, flops_per_element=20.0,
+      saves=SAVES_INPUTS, kernel="norm")
+facts(aten.batch_norm.default, flops_per_element=20.0, saves=SAVES_INPUTS, kernel="norm",
+      exchanges=_batch_norm_exchanges)
+
+
 @register(aten.batch_norm.default)
 def batch_norm(call: OpCall) -> list[Rule1D]:
     """batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, ...):
-    in eval mode (training=False) each sample is normalized by the running statistics alone,
-    so the batch and spatial dimensions may be sharded, and the channels (dimension 1) with
-    the per-channel weight, bias and statistics sharded alike (a BatchNorm frozen for
-    fine-tuning). In training mode the batch's statistics mix every sample: it runs whole
-    (and one that updates running statistics runs whole on every rank anyway)."""
+    x is (N, C, ...). Each sample is normalized per channel, so the batch and spatial
+    dimensions may be sharded; in training mode the batch's statistics then are summed over
+    the ranks that share them (`sync_batch_norm`: SyncBatchNorm's semantics, one device's
+    statistics of the whole batch), with the weight, bias and running statistics whole (each
+    rank updates its copy of the running statistics alike). The channels may be sharded with
+    the per-channel weight, bias and statistics: in eval mode (a BatchNorm frozen for
+    fine-tuning), or in training mode without running statistics to write."""
     per_channel = tuple(R for _ in call.inputs[1:])
     whole = Rule1D((R, *per_channel), R)
-    if call.arg(5, "training", False):
-        return [whole]
     rules = [Rule1D((Shard(d), *per_channel), Shard(d)) for d in range(call.inputs[0].ndim)
-             if d != 1]  # (the input is (N, C, ...))
+             if d != 1]
     channels = Rule1D((Shard(1), *(Shard(0) for _ in call.inputs[1:])), Shard(1))
+    if call.arg(5, "training", False) and isinstance(call.arg(3, "running_mean"), TensorArg):
+        return rules + [whole]
     return rules + [channels, whole]
+
+
+def sync_batch_norm(x, weight, bias, running_mean, running_var, momentum: float, eps: float,
+                    count: int, reduce):
+    """Training-mode batch norm of a shard of the batch, equal to one device's over the whole
+    batch: the per-channel mean and the biased variance from sums over every rank's samples
+    (`reduce`: their all-reduce, autograd-aware: its adjoint sums the statistics'
+    gradients), `count` samples x positions per channel in all; the running statistics
+    (the unbiased variance) updated in place as torch's batch norm does."""
+    dims = [0, *range(2, x.dim())]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    mean = reduce(wide.sum(dims)) / count
+    centered = wide - mean.view(shape)
+    var = reduce((centered * centered).sum(dims)) / count
+    y = centered * torch.rsqrt(var + eps).view(shape)
+    if weight is not None:
+        y = y * weight.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    if running_mean is not None:
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean.detach().to(running_mean.dtype),
+                                                 alpha=momentum)
+            unbiased = var.detach() * (count / max(count - 1, 1))
+            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+    return y.to(x.dtype)
+
+
+@lowering(aten.batch_norm.default)
+def lower_batch_norm(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """In training mode with the batch or a spatial dimension sharded: `sync_batch_norm`,
+    its statistics all-reduced over those mesh dimensions."""
+    dims = [k for k, p in enumerate(ctx.in_placements[0])
+            if isinstance(p, ShardType) and p.dim != 1 and ctx.mesh_shape[k] > 1]
+    if not call.arg(5, "training", False) or not dims:
+        return call.target, args, kwargs
+    x = call.inputs[0]
+    count = math.prod(x.shape) // x.shape[1]
+    comm = ctx.comm
+
+    def reduce(t):
+        for k in dims:
+            t = comm.all_reduce(t, k)
+        return t
+
+    def local(x, weight=None, bias=None, running_mean=None, running_var=None, *_, **__):
+        return sync_batch_norm(x, weight, bias, running_mean, running_var,
+                               float(call.arg(6, "momentum", 0.1)),
+                               float(call.arg(7, "eps", 1e-5)), count, reduce)
+
+    local.__name__ = "sync_batch_norm"
+    local.writes_args = (3, 4)  # the running statistics (passes/graph_queries.py state_writes)
+    return local, tuple(args[:5]), {}

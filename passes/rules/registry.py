@@ -106,6 +106,9 @@ class LocalContext:
     # how random ops draw (passes/rules/random.py): "eager" draws each whole
     # tensor from the default generator, "counter" this rank's block from the step's key
     randomness: str = "eager"
+    # the rank's autograd-aware collectives (passes/rewrite.py CommOps), for an op whose
+    # local computation exchanges something itself (BatchNorm's batch statistics)
+    comm: Any = None
 
 
 # A lowering returns (callable, args, kwargs) for the local op; args may hold the local input nodes.
@@ -154,6 +157,10 @@ class OpFacts:
     `kernel`: the fused kernel family it runs on GPUs ("attention": priced by the profile's
     attention table, solver/efficiency.py; "norm": one kernel per pass that reduces its
     weight's gradient itself, solver/traffic.py).
+    `exchanges(call, inputs, mesh_shape, itemsize)`: (collective, mesh dimension, bytes) of
+    each collective its lowering runs inside the op under input placements `inputs` (one
+    Placements per tensor input), each once in forward and once more (its adjoint) in
+    backward: BatchNorm's batch statistics summed over the ranks sharing the batch.
     `grad_passes`: the input slots (or PASSES_ALL) whose gradient autograd hands on without a
     kernel: the output's gradient itself or a view of it (a sum's operands, a reshape's or a
     concatenation's input). Every other input that needs a gradient gets a kernel of its own
@@ -172,6 +179,7 @@ class OpFacts:
     workspace: Callable | None = None
     traffic: Callable | None = None
     grad_passes: tuple[int, ...] | str = ()
+    exchanges: Callable | None = None
 
 
 UNKNOWN = OpFacts()  # an op no family states facts for: assume it keeps every input

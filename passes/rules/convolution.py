@@ -1,0 +1,166 @@
+"""Convolutions, pooling and resampling: the vision family.
+
+A convolution's input is (N, C_in, *spatial) (or unbatched (C_in, *spatial)) and its weight
+(C_out, C_in / groups, *kernel); a transposed one's weight is (C_in, C_out / groups, *kernel).
+Each sample is convolved alone, so the batch may be sharded with the weight whole (data
+parallel); each output channel is a filter of its own, so the output channels may be sharded
+with the weight's (and bias's) filters (tensor parallel); and without groups the input
+channels may be sharded with the weight's, each rank's output a pending sum (no bias: it would
+be added once per rank). A grouped convolution shards channels only where each shard holds
+whole groups, which holds for every split of a depthwise one (one input channel per group):
+the local op then runs groups / shards groups. The spatial dimensions stay whole (sharding
+them needs a halo exchange of the kernel's overlap, not built).
+
+Pooling, adaptive pooling and upsampling work on each (sample, channel) plane alone: every
+dimension before the spatial ones may be sharded.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.distributed.tensor import Shard as ShardType
+
+from .registry import (
+    SAVES_INPUTS,
+    LocalContext,
+    OpCall,
+    P,
+    R,
+    Rule1D,
+    Shard,
+    aten,
+    facts,
+    lowering,
+    register,
+)
+
+_CONV = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+         aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding)
+_TRANSPOSED = (aten.conv_transpose1d.default, aten.conv_transpose2d.input,
+               aten.conv_transpose3d.input)
+_GENERIC = (aten.convolution.default,)
+
+
+def _transposed(call: OpCall) -> bool:
+    if call.target in _TRANSPOSED:
+        return True
+    return call.target in _GENERIC and bool(call.arg(6, "transposed", False))
+
+
+def _groups(call: OpCall) -> int:
+    """The `groups` argument, wherever the overload keeps it."""
+    if call.target in _GENERIC:
+        return int(call.arg(8, "groups", 1))
+    if call.target in _TRANSPOSED:
+        return int(call.arg(6, "groups", 1))
+    return int(call.arg(6, "groups", 1))
+
+
+def _has_bias(call: OpCall) -> bool:
+    return len(call.inputs) > 2
+
+
+def _conv_flops(call: OpCall, in_local, out_local) -> float:
+    """2 x output elements x (input channels per group x kernel elements) for a convolution;
+    a transposed one does the same products scattered (2 x input elements x output channels
+    per group x kernel elements)."""
+    weight = in_local[1]
+    kernel = math.prod(weight[2:])
+    if _transposed(call):
+        return 2.0 * math.prod(in_local[0]) * weight[1] * kernel
+    return 2.0 * math.prod(out_local[0]) * weight[1] * kernel
+
+
+facts(*_CONV, *_TRANSPOSED, *_GENERIC, flops=_conv_flops, backward_factor=2.0,
+      saves=SAVES_INPUTS, kernel="conv")
+
+
+@register(*_CONV, *_TRANSPOSED, *_GENERIC)
+def convolution(call: OpCall) -> list[Rule1D]:
+    """Batch, output channels (with the weight's filters) and, ungrouped and without a bias,
+    input channels (a pending sum); grouped: channels only for a depthwise convolution."""
+    x, w = call.inputs[0], call.inputs[1]
+    batched = x.ndim == w.ndim  # (N, C, *spatial) against (C_out, C_in/g, *kernel)
+    c = 1 if batched else 0  # the channel dimension of input and output
+    bias = _has_bias(call)
+    groups = _groups(call)
+    transposed = _transposed(call)
+    whole = (R,) * len(call.inputs)
+    rules = []
+    if batched:
+        rules.append(Rule1D((Shard(0),) + whole[1:], Shard(0)))
+    # the weight's output-channel and input-channel dimensions
+    out_dim, in_dim = (1, 0) if transposed else (0, 1)
+    if groups == 1:
+        rules.append(Rule1D((R, Shard(out_dim)) + ((Shard(0),) if bias else ()), Shard(c)))
+        if not bias:
+            rules.append(Rule1D((Shard(c), Shard(in_dim)), P))
+    elif not transposed and groups == x.shape[c]:  # depthwise: each shard whole groups
+        rules.append(Rule1D((Shard(c), Shard(0)) + ((Shard(0),) if bias else ()), Shard(c)))
+    return rules + [Rule1D(whole, R)]
+
+
+@lowering(*_CONV, *_GENERIC)
+def lower_convolution(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """A depthwise convolution with its channels sharded runs its local groups."""
+    groups = _groups(call)
+    if groups == 1:
+        return call.target, args, kwargs
+    shards = math.prod(n for n, p in zip(ctx.mesh_shape, ctx.in_placements[1])
+                       if isinstance(p, ShardType) and p.dim == 0)
+    if shards == 1:
+        return call.target, args, kwargs
+    slot = 8 if call.target in _GENERIC else 6
+    args = list(args)
+    if slot < len(args):
+        args[slot] = groups // shards
+    else:
+        kwargs = {**kwargs, "groups": groups // shards}
+    return call.target, tuple(args), kwargs
+
+
+# -- pooling and resampling: each (sample, channel) plane alone --------------------------------
+
+_SPATIAL = {
+    **dict.fromkeys((aten.max_pool1d.default, aten.avg_pool1d.default,
+                     aten.adaptive_avg_pool1d.default, aten.adaptive_max_pool1d.default,
+                     aten.upsample_nearest1d.vec, aten.upsample_linear1d.vec), 1),
+    **dict.fromkeys((aten.max_pool2d.default, aten.max_pool2d_with_indices.default,
+                     aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default,
+                     aten._adaptive_avg_pool2d.default, aten.adaptive_max_pool2d.default,
+                     aten.upsample_nearest2d.vec, aten.upsample_bilinear2d.vec,
+                     aten.upsample_bicubic2d.vec), 2),
+    **dict.fromkeys((aten.max_pool3d.default, aten.max_pool3d_with_indices.default,
+                     aten.avg_pool3d.default, aten.adaptive_avg_pool3d.default,
+                     aten._adaptive_avg_pool3d.default, aten.adaptive_max_pool3d.default,
+                     aten.upsample_nearest3d.vec, aten.upsample_trilinear3d.vec), 3),
+}
+
+
+def _window(call: OpCall, in_local, out_local) -> float:
+    """One add or compare per window element per output (the adaptive and resampling ops:
+    a few per output)."""
+    name = str(call.target)
+    kernel = call.arg(1, "kernel_size", None)
+    if "pool" in name and "adaptive" not in name and isinstance(kernel, (list, tuple)) and kernel:
+        size = math.prod(kernel) if len(kernel) > 1 else kernel[0] ** _SPATIAL[call.target]
+    else:
+        size = 4
+    return float(size) * math.prod(out_local[0])
+
+
+facts(*_SPATIAL, flops=_window, saves=SAVES_INPUTS, saves_output=True)
+
+
+@register(*_SPATIAL)
+def planewise(call: OpCall) -> list[Rule1D]:
+    """Any dimension before the spatial ones, with the output (and a max pool's indices)."""
+    x = call.inputs[0]
+    lead = x.ndim - _SPATIAL[call.target]
+    rules = []
+    for d in range(lead):
+        out = (Shard(d), Shard(d)) if call.multi_output else Shard(d)
+        rules.append(Rule1D((Shard(d),) + (R,) * (len(call.inputs) - 1), out))
+    whole = (R, R) if call.multi_output else R
+    return rules + [Rule1D((R,) * len(call.inputs), whole)]
