@@ -1,7 +1,7 @@
 """Small, plain test models (nanoGPT style): MLPs, residual blocks, a drawn tiny transformer
-(grouped-query attention, RMSNorm) and its mixture-of-experts variant, and the Hugging Face
-models only the tests use (Llama with LoRA adapters, Mixtral). The GPT, Llama and GPT-2 are
-autopar.zoo's."""
+(grouped-query attention, RMSNorm) and its mixture-of-experts variant, a ResNet (torchvision's
+layout), and the Hugging Face models only the tests use (Llama with LoRA adapters, Mixtral).
+The GPT, Llama and GPT-2 are autopar.zoo's."""
 
 from dataclasses import dataclass
 
@@ -347,3 +347,53 @@ class ScaledLinear(nn.Module):
 
     def forward(self, x):
         return self.fc(x * self.scale)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet basic block: two 3x3 convolutions with BatchNorm, a projection
+    shortcut where the shape changes, an in-place residual add and ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """A ResNet in torchvision's layout at toy widths: a stem (convolution, BatchNorm, ReLU,
+    max pool), stages of basic blocks (the later ones halving the resolution), global average
+    pooling and a linear classifier."""
+
+    def __init__(self, width: int = 8, blocks: tuple[int, ...] = (1, 1), classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        layers, cin = [], width
+        for i, n in enumerate(blocks):
+            cout = width * 2 ** i
+            layers.append(nn.Sequential(*(BasicBlock(cin if j == 0 else cout, cout,
+                                                     2 if i and j == 0 else 1)
+                                          for j in range(n))))
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layers(x)
+        return self.fc(torch.flatten(self.avgpool(x), 1))

@@ -121,6 +121,9 @@ def build(name):
     elif name in ("batchnorm_blocks", "offset_blocks"):  # layer blocks that update a buffer
         return models.StatefulMLP(8, 16, 4, 3, name.partition("_")[0]), \
             torch.nn.functional.cross_entropy, (torch.randn(8, 8), torch.randint(0, 4, (8,)))
+    elif name == "resnet":  # convolutions, BatchNorm in training mode, pooling
+        return models.ResNet(), torch.nn.functional.cross_entropy, (
+            torch.randn(8, 3, 12, 12), torch.randint(0, 10, (8,)))
     elif name == "unsupported":  # aten.flip has no sharding rule
         return _Flipped(), torch.nn.functional.cross_entropy, (
             torch.randn(4, 8), torch.randint(0, 8, (4,)))

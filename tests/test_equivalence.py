@@ -93,6 +93,25 @@ def test_two_by_two(world4, model, force):
     _check_style(plan, force)
 
 
+# A CNN in torchvision's ResNet layout (in float64 on 4 ranks, BatchNorm's running statistics
+# among the buffers compared): convolutions by batch or by output channels, BatchNorm in
+# training mode by batch with its statistics summed over the ranks (one device's statistics of
+# the whole batch), pooling by batch or channels.
+RESNET = [((4,), None), ((4,), "data"), ((4,), "fsdp"), ((4,), "tensor"), ((4,), "zero2"),
+          ((2, 2), {"dp": "data", "tp": "tensor"}), ((2, 2), {"dp": "fsdp", "tp": "tensor"})]
+
+
+@pytest.mark.parametrize("mesh,force", RESNET,
+                         ids=[f"{'x'.join(map(str, m))}-{str(f or 'solver').replace(' ', '')}"
+                              for m, f in RESNET])
+def test_resnet(world4, mesh, force):
+    plan = world4.run(rank_tasks.train_equivalence, "resnet", mesh, force)[0]
+    _check_style(plan, force)
+    if force in ("data", "fsdp"):  # every op of the CNN computes its share of the batch
+        whole = [(o["name"], o["replicated"]) for o in plan["ops"] if o["replicated"]]
+        assert not whole, whole
+
+
 @pytest.mark.parametrize("force", ONE_D, ids=lambda f: f or "solver")
 def test_lora_fine_tuning(world2, force):
     """peft LoRA on a Llama: the frozen base weights stay as they were, the adapters train as

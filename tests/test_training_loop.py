@@ -190,6 +190,24 @@ def test_loss_weights_read_from_the_loss():
                                 )).exact()
 
 
+@pytest.mark.parametrize("track", [True, False], ids=["running", "batch_only"])
+def test_batch_norm_shards_the_batch_but_microbatches_refuse_it(track):
+    """BatchNorm in training mode shards the batch over ranks by summing its statistics over
+    them (one device's statistics of the whole batch), but microbatches would each be
+    normalized by their own: accumulation and pipelines refuse it, with running statistics
+    or without (no buffer written then)."""
+    from autopar.passes import strategies
+    from autopar.passes.batch_local import split_problem
+
+    bn = torch.nn.Sequential(torch.nn.Linear(8, 8),
+                             torch.nn.BatchNorm1d(8, track_running_stats=track))
+    program = trace(bn, (torch.randn(6, 8),), lambda o, t: o.pow(2).mean(), torch.randn(6, 8))
+    graph = strategies.build(program, (2,))
+    norm = next(v for v in graph.nodes.values() if v.name.startswith("batch_norm"))
+    assert any(str(s.output) == "(Shard(dim=0),)" for s in norm.strategies), norm.strategies
+    assert "BatchNorm in training mode" in split_problem(program, 2)
+
+
 @pytest.mark.parametrize("force", ["data", "tensor"])
 def test_values_read_at_trace_time_follow_changes(world2, force):
     world2.run(loop_tasks.traced_values, (2,), force)
