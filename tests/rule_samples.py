@@ -190,6 +190,8 @@ for _op in (aten.remainder.Tensor, aten.fmod.Tensor):
 add(aten.where.self, "bcast", lambda g: call(g.b(6, 4, 5), g.f(6, 4, 5), g.f(5)))
 add(aten.where.self, "cond_bcast", lambda g: call(g.b(4, 1), g.f(6, 4, 5), g.f(6, 1, 5)))
 add(aten.where.self, "scalar_other", lambda g: call(g.b(6, 4), g.f(6, 4), g.scalar()))
+add(aten.where.ScalarOther, "number", lambda g: call(g.b(6, 4), g.f(6, 4), -1e4))
+add(aten.where.ScalarSelf, "bcast", lambda g: call(g.b(6, 1), 0.5, g.f(6, 4)))
 add(aten.masked_fill.Scalar, "bcast_mask", lambda g: call(g.f(6, 4, 5), g.b(4, 5), -1.5))
 add(aten.masked_fill.Scalar, "same", lambda g: call(g.f(12, 5), g.b(12, 5), 0.0))
 add(aten.masked_fill.Tensor, "scalar_value", lambda g: call(g.f(6, 4, 5), g.b(6, 1, 5),

@@ -50,7 +50,8 @@ BINARY = [
     aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default, aten.eq.Tensor,
     aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor,
     aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
-    aten.logical_and.default, aten.logical_or.default, aten.where.self, aten.masked_fill.Scalar,
+    aten.logical_and.default, aten.logical_or.default, aten.where.self, aten.where.ScalarOther,
+    aten.where.ScalarSelf, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.addcmul.default, aten.addcdiv.default, aten.lerp.Scalar,
     aten.div.Tensor_mode, aten.remainder.Tensor, aten.fmod.Tensor, aten.atan2.default,
     aten.type_as.default,  # the second operand gives only its dtype
@@ -101,7 +102,8 @@ facts(aten.pow.Tensor_Tensor, saves=SAVES_INPUTS, saves_output=True,
       flops_per_element=TRANSCENDENTAL)
 facts(aten.maximum.default, aten.minimum.default, aten.addcmul.default, aten.addcdiv.default,
       aten.atan2.default, saves=SAVES_INPUTS)
-facts(aten.where.self, saves=SAVES_FIRST)  # the condition
+facts(aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
+      saves=SAVES_FIRST)  # the condition
 facts(aten.masked_fill.Scalar, aten.masked_fill.Tensor, saves=SAVES_INDICES)  # the mask
 facts(*MULTIPLICATIVE, saves=SAVES_OPERANDS)
 facts(*DIVISION, saves=SAVES_DIVISOR)
