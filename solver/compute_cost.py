@@ -266,7 +266,8 @@ class ComputePrices:
                     backward: bool = False) -> float:
         """Seconds of the arithmetic of a non-product op: attention at its fused kernel's
         measured rate (backward: 2.5x the forward flops, the FlashAttention papers' count
-        their rates are in), anything else at peak (solver/efficiency.py)."""
+        their rates are in), a convolution at a matrix product's (`matmul_efficiency`),
+        anything else at peak (solver/efficiency.py)."""
         if facts(node).kernel == "attention":
             rate = attention_rate(self.hw, in_local[1][-2], causal=is_causal(node.call),
                                   backward=backward)

@@ -246,7 +246,8 @@ def _grad_inputs(sample: Sample, tensors: list[torch.Tensor]) -> list[int]:
 class _ThreadComm:
     """The collectives of n simulated ranks run in threads, for an op whose lowering exchanges
     something itself (`OpFacts.exchanges`: BatchNorm's batch statistics): an all-reduce
-    whose adjoint is an all-reduce, summing in rank order on every rank."""
+    whose adjoint is an all-reduce, and an all-gather whose adjoint is a reduce-scatter,
+    summing in rank order on every rank."""
 
     def __init__(self, n: int):
         self.barrier = threading.Barrier(n)
@@ -275,6 +276,24 @@ class _ThreadComm:
                 return comm._sum(grad)
 
         return _Sum.apply(x)
+
+    def all_gather(self, x: torch.Tensor, dim: int, mesh_dim: int) -> torch.Tensor:
+        comm, n = self, len(self.slots)
+
+        class _Gather(torch.autograd.Function):  # adjoint: the rank's block of the sum
+            @staticmethod
+            def forward(ctx, t):
+                comm.slots[comm.local.rank] = t.detach()
+                comm.barrier.wait()
+                whole = torch.cat(list(comm.slots), dim)
+                comm.barrier.wait()
+                return whole
+
+            @staticmethod
+            def backward(ctx, grad):
+                return comm._sum(grad).chunk(n, dim)[comm.local.rank].contiguous()
+
+        return _Gather.apply(x)
 
 
 def _exchanges(call: OpCall, rule: Rule1D, n: int) -> bool:

@@ -46,14 +46,14 @@ def layer_norm(call: OpCall) -> list[Rule1D]:
 
 
 def _batch_norm_exchanges(call: OpCall, inputs, mesh_shape, itemsize) -> list:
-    """In training mode with the batch (or a spatial dimension) sharded: the per-channel
-    sums, then the sums of squared deviations, all-reduced over each mesh dimension that
-    shards them (`sync_batch_norm`)."""
+    """In training mode with the batch (or a spatial dimension) sharded: every rank's
+    per-channel mean and variance all-gathered over each mesh dimension that shards them
+    (`sync_batch_norm`; the gathered bytes)."""
     if not call.arg(5, "training", False):
         return []
     x = call.inputs[0]
     nbytes = 2 * x.shape[1] * max(itemsize(x.dtype), 4)  # (statistics in float32 at least)
-    return [("all_reduce", k, nbytes) for k, p in enumerate(inputs[0])
+    return [("all_gather", k, nbytes * mesh_shape[k]) for k, p in enumerate(inputs[0])
             if isinstance(p, ShardType) and p.dim != 1 and mesh_shape[k] > 1]
 
 
@@ -85,23 +85,29 @@ def batch_norm(call: OpCall) -> list[Rule1D]:
 
 
 def sync_batch_norm(x, weight, bias, running_mean, running_var, momentum: float, eps: float,
-                    count: int, reduce):
+                    count: int, gathers):
     """Training-mode batch norm of a shard of the batch, equal to one device's over the whole
-    batch: the per-channel mean and the biased variance from sums over every rank's samples
-    (`reduce`: their all-reduce, autograd-aware: its adjoint sums the statistics'
-    gradients), `count` samples x positions per channel in all; the running statistics
-    (the unbiased variance) updated in place as torch's batch norm does."""
+    batch. Each rank takes its shard's per-channel mean and biased variance; each of
+    `gathers` (an autograd-aware all-gather over one mesh dimension's ranks sharing the
+    batch: its adjoint reduce-scatters the statistics' gradients) brings those ranks', and
+    equal shards combine exactly: the mean of the means, and the mean of the variances plus
+    the variance of the means. `count` samples x positions per channel in all; the
+    running statistics (the unbiased variance) are updated in place as torch's batch norm
+    updates them."""
     dims = [0, *range(2, x.dim())]
     shape = [1, -1] + [1] * (x.dim() - 2)
     wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    mean = reduce(wide.sum(dims)) / count
-    centered = wide - mean.view(shape)
-    var = reduce((centered * centered).sum(dims)) / count
-    y = centered * torch.rsqrt(var + eps).view(shape)
+    var, mean = torch.var_mean(wide, dims, correction=0)
+    for gather in gathers:
+        ranks = gather(torch.stack([mean, var]))  # (ranks, 2, C)
+        mean, var = ranks[:, 0].mean(0), ranks[:, 1].mean(0) + ranks[:, 0].var(0, correction=0)
+    scale = torch.rsqrt(var + eps)
     if weight is not None:
-        y = y * weight.view(shape)
+        scale = scale * weight
+    shift = -mean * scale
     if bias is not None:
-        y = y + bias.view(shape)
+        shift = shift + bias
+    y = torch.addcmul(shift.view(shape), wide, scale.view(shape))
     if running_mean is not None:
         with torch.no_grad():
             running_mean.mul_(1 - momentum).add_(mean.detach().to(running_mean.dtype),
@@ -114,7 +120,7 @@ def sync_batch_norm(x, weight, bias, running_mean, running_var, momentum: float,
 @lowering(aten.batch_norm.default)
 def lower_batch_norm(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
     """In training mode with the batch or a spatial dimension sharded: `sync_batch_norm`,
-    its statistics all-reduced over those mesh dimensions."""
+    its statistics gathered over those mesh dimensions."""
     dims = [k for k, p in enumerate(ctx.in_placements[0])
             if isinstance(p, ShardType) and p.dim != 1 and ctx.mesh_shape[k] > 1]
     if not call.arg(5, "training", False) or not dims:
@@ -123,15 +129,12 @@ def lower_batch_norm(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext)
     count = math.prod(x.shape) // x.shape[1]
     comm = ctx.comm
 
-    def reduce(t):
-        for k in dims:
-            t = comm.all_reduce(t, k)
-        return t
+    gathers = [lambda stats, k=k: comm.all_gather(stats.unsqueeze(0), 0, k) for k in dims]
 
     def local(x, weight=None, bias=None, running_mean=None, running_var=None, *_, **__):
         return sync_batch_norm(x, weight, bias, running_mean, running_var,
                                float(call.arg(6, "momentum", 0.1)),
-                               float(call.arg(7, "eps", 1e-5)), count, reduce)
+                               float(call.arg(7, "eps", 1e-5)), count, gathers)
 
     local.__name__ = "sync_batch_norm"
     local.writes_args = (3, 4)  # the running statistics (passes/graph_queries.py state_writes)
