@@ -1,6 +1,7 @@
 """autopar's runtime against hand-written parallelism, on 4 local gloo ranks (CPU, fp32).
 
     python -m benchmarks.runtime_vs_baselines [--layers 6 --hidden 512 --steps 6]
+    python -m benchmarks.runtime_vs_baselines --model resnet [--width 32 --image 32]
 
 For one GPT (autopar.zoo's with an untied head, benchmarks/common.py: about 27M parameters by
 default) it times a training step (forward, backward, AdamW) of
@@ -13,6 +14,12 @@ default) it times a training step (forward, backward, AdamW) of
   - DTensor tensor parallel (Colwise qkv/fc, Rowwise proj, each rank its heads)  vs autopar
     forced "tensor"
   - autopar's own plan                    vs the best baseline
+With `--model resnet` (tests/models.py's ResNet in torchvision's layout, BatchNorm in training
+mode, batch of images) the setups are DDP, FSDP2 (fully_shard per residual block) and
+autopar's data, FSDP and solver plans. DDP's BatchNorm normalizes each rank's quarter of the
+batch by its own statistics (SyncBatchNorm runs on GPUs only), where autopar's sums them over
+the ranks, as one device over the whole batch: DDP does less communication and computes
+something else; `--frozen-bn` puts every BatchNorm in eval mode, where they compute the same.
 Each timing is the median over the measured steps (after 2 warm-up steps), taken on rank 0
 between barriers; all setups are built first and then stepped round-robin in one process
 group, so ratios compare like with like even while the machine's load drifts. Per-rank memory
@@ -36,9 +43,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.zoo import CausalSelfAttention
-from autopar.zoo import lm_loss as loss_fn
+from autopar.zoo import CausalSelfAttention, lm_loss
 from benchmarks.common import bench_gpt, init_gloo
+from tests.models import ResNet
 from tests.world import free_port
 
 WORLD = 4
@@ -88,10 +95,12 @@ def _heads_by_rank(attn: CausalSelfAttention, ranks: int) -> None:
     attn.__class__ = _LocalHeads
 
 
-def setups(model, mesh, x, y, calibrated=None):
+def setups(model, mesh, x, y, calibrated=None, loss_fn=lm_loss):
     """name -> (step function, params, optimizer), built lazily; with a `calibrated` profile
-    (autopar.calibrate of `mesh`) the solver also plans with it."""
+    (autopar.calibrate of `mesh`) the solver also plans with it. A ResNet (`model` without
+    GPT blocks) gets DDP, FSDP2 and autopar's data, FSDP and solver plans."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    cnn = isinstance(model, ResNet)
     rows = x.shape[0] // world
     xl, yl = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
 
@@ -103,7 +112,7 @@ def setups(model, mesh, x, y, calibrated=None):
         def build():
             from torch.distributed.fsdp import fully_shard
             m = copy.deepcopy(model)
-            for b in m.h:
+            for b in ([b for stage in m.layers for b in stage] if cnn else m.h):
                 fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
             return lambda: loss_fn(m(xl), yl).backward(), list(m.parameters())
@@ -134,6 +143,10 @@ def setups(model, mesh, x, y, calibrated=None):
             return lambda: pm.step(x, y), list(pm.parameters())
         return build
 
+    if cnn:
+        return {"DDP": ddp, "autopar data": autopar_with("data"), "FSDP2": fsdp2(True),
+                "autopar fsdp": autopar_with("fsdp", reshard_after_forward=True),
+                "autopar solver": autopar_with(None)}
     out = {"DDP": ddp, "autopar data": autopar_with("data"), "FSDP2": fsdp2(True),
            "autopar fsdp": autopar_with("fsdp", reshard_after_forward=True),
            "FSDP2 kept": fsdp2(False),
@@ -146,15 +159,30 @@ def setups(model, mesh, x, y, calibrated=None):
     return out
 
 
+def build_model(sizes: dict, batch: int):
+    """The benchmark's model, a batch and its loss: the GPT, or with `sizes["model"]` "resnet"
+    the ResNet over images of `sizes["image"]` pixels square."""
+    g = torch.Generator().manual_seed(1)
+    if sizes.get("model") == "resnet":
+        model = ResNet(width=sizes["width"], blocks=(2, 2, 2))
+        if sizes.get("frozen_bn"):  # BatchNorm in eval mode: no batch statistics to sum
+            for m in model.modules():
+                if isinstance(m, torch.nn.BatchNorm2d):
+                    m.eval()
+        x = torch.randn(batch, 3, sizes["image"], sizes["image"], generator=g)
+        return model, x, torch.randint(0, 10, (batch,), generator=g), F.cross_entropy
+    model = bench_gpt(**{k: sizes[k] for k in ("layers", "hidden", "heads", "vocab", "seq")})
+    x = torch.randint(0, sizes["vocab"], (batch, sizes["seq"]), generator=g)
+    y = torch.randint(0, sizes["vocab"], (batch, sizes["seq"]), generator=g)
+    return model, x, y, lm_loss
+
+
 def worker(rank: int, port: int, sizes: dict, batch: int, steps: int, out: dict,
            calibrate: bool = True, only: tuple[str, ...] = ()) -> None:
     init_gloo(rank, WORLD, port)
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
-    model = bench_gpt(**sizes)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, sizes["vocab"], (batch, sizes["seq"]), generator=g)
-    y = torch.randint(0, sizes["vocab"], (batch, sizes["seq"]), generator=g)
+    model, x, y, loss_fn = build_model(sizes, batch)
     calibrated = autopar.calibrate(mesh) if calibrate else None
     if calibrated is not None and rank == 0:
         c = calibrated.measured["compute"]
@@ -164,7 +192,7 @@ def worker(rank: int, port: int, sizes: dict, batch: int, steps: int, out: dict,
               f"throughput {c['throughput_factor']:.2f}, op cost {c['op_cost_factor']:.2f})",
               flush=True)
     steppers, states = {}, {}
-    for name, build in setups(model, mesh, x, y, calibrated).items():
+    for name, build in setups(model, mesh, x, y, calibrated, loss_fn).items():
         if only and name not in only:
             continue
         step_fn, params = build()
@@ -216,6 +244,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--model", default="gpt", choices=("gpt", "resnet"))
+    ap.add_argument("--width", type=int, default=32, help="the ResNet's first stage's channels")
+    ap.add_argument("--image", type=int, default=32, help="the ResNet's image size")
+    ap.add_argument("--frozen-bn", action="store_true",
+                    help="the ResNet's BatchNorm in eval mode (DDP then computes what one "
+                         "device does)")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip the solver's plan on a calibrated profile")
     ap.add_argument("--only", default="",
@@ -224,17 +258,20 @@ def main() -> None:
     a = ap.parse_args()
     only = tuple(n.strip() for n in a.only.split(",") if n.strip())
     sizes = {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "vocab": a.vocab,
-             "seq": a.seq}
+             "seq": a.seq, "model": a.model, "width": a.width, "image": a.image,
+             "frozen_bn": a.frozen_bn}
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in bench_gpt(**sizes).parameters())
+        n_params = sum(p.numel() for p in build_model(sizes, a.batch)[0].parameters())
     port = free_port()
     out = mp.Manager().dict()
     mp.spawn(worker, args=(port, sizes, a.batch, a.steps, out, not a.no_calibrate, only),
              nprocs=WORLD)
     res = dict(out)
     baselines = [k for k in ("DDP", "FSDP2", "FSDP2 kept", "DTensor TP") if k in res]
-    print(f"\nGPT {n_params / 1e6:.1f}M parameters, batch {a.batch}x{a.seq}, {WORLD} gloo ranks "
-          f"on {os.cpu_count()} CPU cores, fp32, median of {a.steps} steps\n")
+    what = f"ResNet {n_params / 1e6:.2f}M parameters, batch {a.batch}x3x{a.image}x{a.image}" \
+        if a.model == "resnet" else f"GPT {n_params / 1e6:.1f}M parameters, batch {a.batch}x{a.seq}"
+    print(f"\n{what}, {WORLD} gloo ranks on {os.cpu_count()} CPU cores, fp32, median of "
+          f"{a.steps} steps\n")
     print("| setup | baseline ms | autopar ms | ratio | baseline MiB/rank | autopar MiB/rank "
           "| baseline step peak MiB | autopar step peak MiB |")
     print("|---|---|---|---|---|---|---|---|")
