@@ -1,7 +1,17 @@
-import pytest
-from hypothesis import settings
+import os
+import sys
 
-from tests.world import get_world
+# The suite starts a few hundred Python processes (gloo ranks, torchrun, the command line),
+# each importing autopar: where the environment says not to write bytecode
+# (PYTHONDONTWRITEBYTECODE), each would compile autopar's modules again (1.3 s of a 4 s
+# import on a 2-core machine). Let the first write it and the others read it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+from tests.world import get_world  # noqa: E402
 
 
 @pytest.fixture(scope="session")
