@@ -7,7 +7,7 @@ with every other, a feature centred on the batch's mean, a (B, 1) prediction bro
 against a (B,) target all mix them. The sharding rules know which ops keep samples apart: an
 op does when one of its strategies takes each input that carries the batch sharded as it
 arrives (no collective, inside the op either: BatchNorm in training mode shards the batch
-only by summing its statistics over the ranks), and every other input whole or sliced (which
+only by combining its statistics over the ranks), and every other input whole or sliced (which
 needs none). `mixing`
 starts from the inputs whose first dimension is the batch, sharded on it over one mesh
 dimension (of the planner's strategy graph, or of a mesh of m devices), propagates the

@@ -397,3 +397,21 @@ class ResNet(nn.Module):
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layers(x)
         return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class TorchTransformerLM(nn.Module):
+    """A language model around torch.nn.Transformer (encoder and decoder, batch first, the
+    decoder causal), whose attention is nn.MultiheadAttention's own code path."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, heads: int = 4, layers: int = 1):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Transformer(width, heads, layers, layers, 2 * width, dropout=0.0,
+                                   batch_first=True)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x):
+        h = self.embed(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device,
+                                                              dtype=h.dtype)
+        return self.head(self.body(h, h, tgt_mask=mask, tgt_is_causal=True))

@@ -124,6 +124,8 @@ def build(name):
     elif name == "resnet":  # convolutions, BatchNorm in training mode, pooling
         return models.ResNet(), torch.nn.functional.cross_entropy, (
             torch.randn(8, 3, 12, 12), torch.randint(0, 10, (8,)))
+    elif name == "nn_transformer":  # torch.nn.Transformer: MultiheadAttention's code path
+        model = models.TorchTransformerLM()
     elif name == "unsupported":  # aten.flip has no sharding rule
         return _Flipped(), torch.nn.functional.cross_entropy, (
             torch.randn(4, 8), torch.randint(0, 8, (4,)))

@@ -79,10 +79,11 @@ def test_bloom_alibi_two_by_two(world4, force):
 
 
 MOE = ["moe_loop", "moe_grouped", "hf_mixtral", "hf_mixtral_grouped"]
-# every 2-D style for the dense models; the solver's plan and FSDP x tensor parallel for
-# Mixtral's two expert kernels (batched_mm, grouped_mm). The looped and batched test mixtures
-# run every 1-D style on two ranks below, and on 2-D meshes in the property tests.
-TWO_BY_TWO = [(m, f) for m in MODELS for f in TWO_D] + \
+# every 2-D style for the transformers (the MLP families run random 2 x 2 plans in
+# test_properties); the solver's plan and FSDP x tensor parallel for Mixtral's two expert
+# kernels (batched_mm, grouped_mm). The looped and batched test mixtures run every 1-D style
+# on two ranks below, and on 2-D meshes in the property tests.
+TWO_BY_TWO = [(m, f) for m in MODELS if m not in ("mlp", "residual_rms") for f in TWO_D] + \
     [(m, f) for m in MOE[2:] for f in (None, {"dp": "fsdp", "tp": "tensor"})]
 
 
@@ -110,6 +111,15 @@ def test_resnet(world4, mesh, force):
     if force in ("data", "fsdp"):  # every op of the CNN computes its share of the batch
         whole = [(o["name"], o["replicated"]) for o in plan["ops"] if o["replicated"]]
         assert not whole, whole
+
+
+@pytest.mark.parametrize("force", [None, "data", "fsdp", "tensor"],
+                         ids=lambda f: f or "solver")
+def test_torch_nn_transformer(world2, force):
+    """torch.nn.Transformer (encoder-decoder, causal decoder mask) on 2 ranks: attention
+    through nn.MultiheadAttention's own reshapes, layer norms, its feed-forward blocks."""
+    plan = world2.run(rank_tasks.train_equivalence, "nn_transformer", (2,), force)[0]
+    _check_style(plan, force)
 
 
 @pytest.mark.parametrize("force", ONE_D, ids=lambda f: f or "solver")

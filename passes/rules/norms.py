@@ -68,7 +68,7 @@ facts(aten.batch_norm.default, flops_per_element=20.0, saves=SAVES_INPUTS, kerne
 def batch_norm(call: OpCall) -> list[Rule1D]:
     """batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, ...):
     x is (N, C, ...). Each sample is normalized per channel, so the batch and spatial
-    dimensions may be sharded; in training mode the batch's statistics then are summed over
+    dimensions may be sharded; in training mode the batch's statistics then are combined over
     the ranks that share them (`sync_batch_norm`: SyncBatchNorm's semantics, one device's
     statistics of the whole batch), with the weight, bias and running statistics whole (each
     rank updates its copy of the running statistics alike). The channels may be sharded with

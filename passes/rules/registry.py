@@ -160,7 +160,7 @@ class OpFacts:
     `exchanges(call, inputs, mesh_shape, itemsize)`: (collective, mesh dimension, bytes) of
     each collective its lowering runs inside the op under input placements `inputs` (one
     Placements per tensor input), each once in forward and once more (its adjoint) in
-    backward: BatchNorm's batch statistics summed over the ranks sharing the batch.
+    backward: BatchNorm's batch statistics gathered from the ranks sharing the batch.
     `grad_passes`: the input slots (or PASSES_ALL) whose gradient autograd hands on without a
     kernel: the output's gradient itself or a view of it (a sum's operands, a reshape's or a
     concatenation's input). Every other input that needs a gradient gets a kernel of its own
