@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import math
 
-from torch.distributed.tensor import Shard as ShardType
-
 from .registry import (
     SAVES_INPUTS,
     LocalContext,
@@ -48,13 +46,13 @@ def _transposed(call: OpCall) -> bool:
     return call.target in _GENERIC and bool(call.arg(6, "transposed", False))
 
 
+def _groups_slot(call: OpCall) -> int:
+    """Where the overload keeps `groups` among its arguments."""
+    return 8 if call.target in _GENERIC else 6
+
+
 def _groups(call: OpCall) -> int:
-    """The `groups` argument, wherever the overload keeps it."""
-    if call.target in _GENERIC:
-        return int(call.arg(8, "groups", 1))
-    if call.target in _TRANSPOSED:
-        return int(call.arg(6, "groups", 1))
-    return int(call.arg(6, "groups", 1))
+    return int(call.arg(_groups_slot(call), "groups", 1))
 
 
 def _has_bias(call: OpCall) -> bool:
@@ -108,10 +106,10 @@ def lower_convolution(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext
     if groups == 1:
         return call.target, args, kwargs
     shards = math.prod(n for n, p in zip(ctx.mesh_shape, ctx.in_placements[1])
-                       if isinstance(p, ShardType) and p.dim == 0)
+                       if isinstance(p, Shard) and p.dim == 0)
     if shards == 1:
         return call.target, args, kwargs
-    slot = 8 if call.target in _GENERIC else 6
+    slot = _groups_slot(call)
     args = list(args)
     if slot < len(args):
         args[slot] = groups // shards

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import Shard as ShardType
 
 from .registry import (
     SAVES_INPUTS,
@@ -54,7 +53,7 @@ def _batch_norm_exchanges(call: OpCall, inputs, mesh_shape, itemsize) -> list:
     x = call.inputs[0]
     nbytes = 2 * x.shape[1] * max(itemsize(x.dtype), 4)  # (statistics in float32 at least)
     return [("all_gather", k, nbytes * mesh_shape[k]) for k, p in enumerate(inputs[0])
-            if isinstance(p, ShardType) and p.dim != 1 and mesh_shape[k] > 1]
+            if isinstance(p, Shard) and p.dim != 1 and mesh_shape[k] > 1]
 
 
 facts(aten.group_norm.default, aten.native_group_norm.default,
@@ -122,7 +121,7 @@ def lower_batch_norm(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext)
     """In training mode with the batch or a spatial dimension sharded: `sync_batch_norm`,
     its statistics gathered over those mesh dimensions."""
     dims = [k for k, p in enumerate(ctx.in_placements[0])
-            if isinstance(p, ShardType) and p.dim != 1 and ctx.mesh_shape[k] > 1]
+            if isinstance(p, Shard) and p.dim != 1 and ctx.mesh_shape[k] > 1]
     if not call.arg(5, "training", False) or not dims:
         return call.target, args, kwargs
     x = call.inputs[0]
