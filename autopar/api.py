@@ -160,10 +160,10 @@ def parallelize(model: nn.Module, mesh=None, *, loss_fn=None, example_inputs=Non
     tensors are freed).
 
     Without `mesh`, the mesh `plan` names is built (a plan for an autopar.Cluster chose it).
-    Without `example_inputs` the plan is made at the first call. The plan is solved on rank 0
-    and broadcast (or taken from `plan=`); all ranks compare its hash before the model's first
-    collective. `options` (or its fields as keyword arguments) are those of `autopar.plan`;
-    `hardware` names the profile the planner prices the mesh with.
+    Without `example_inputs` or `example_kwargs` the plan is made at the first call. The plan
+    is solved on rank 0 and broadcast (or taken from `plan=`); all ranks compare its hash
+    before the model's first collective. `options` (or its fields as keyword arguments) are
+    those of `autopar.plan`; `hardware` names the profile the planner prices the mesh with.
     """
     if not dist.is_initialized():
         raise RuntimeError("parallelize needs torch.distributed initialized (torchrun, or "
@@ -189,9 +189,9 @@ def parallelize(model: nn.Module, mesh=None, *, loss_fn=None, example_inputs=Non
     if spec.pipeline_dim is None:
         _no_pipeline_options(options)
     pmodel = Parallelized(model, mesh, spec, options, loss_fn, plan, init_fn)
-    if example_inputs is not None:
+    if example_inputs is not None or example_kwargs is not None:  # (or a keyword batch)
         try:
-            pmodel.build(example_inputs, example_kwargs)
+            pmodel.build(tuple(example_inputs or ()), example_kwargs)
         except BaseException:
             release(model)  # its own again, unless the build replaced its tensors
             raise

@@ -164,8 +164,8 @@ class Parallelized(nn.Module):
         """This rank's parameters (a ParameterStore); an error before the first build."""
         if self._ctx.store is None:
             raise RuntimeError("not planned yet: call step() or the model once, or pass "
-                               "example_inputs= to parallelize, before asking for parameters, "
-                               "state or the plan")
+                               "example_inputs= (or example_kwargs=) to parallelize, before "
+                               "asking for parameters, state or the plan")
         return self._ctx.store
 
     def _running_pipeline(self):

@@ -271,7 +271,8 @@ def per_rank_batches(name, mesh_shape, per_rank: tuple[str, ...], force=None) ->
 
 def hf_keyword_batch(mesh_shape, force=None) -> None:
     """A Hugging Face causal LM given a dict batch with labels computes its own loss: step(**batch)
-    with no loss_fn equals model(**batch).loss and its gradients on one device."""
+    with no loss_fn equals model(**batch).loss and its gradients on one device. The batch as
+    `example_kwargs` alone builds the model at parallelize (it was silently ignored)."""
     torch.manual_seed(0)
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
@@ -281,7 +282,8 @@ def hf_keyword_batch(mesh_shape, force=None) -> None:
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 64, (4, 16))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    pm = autopar.parallelize(model, mesh_for(mesh_shape), force=force)
+    pm = autopar.parallelize(model, mesh_for(mesh_shape), force=force, example_kwargs=batch)
+    assert pm.plans, "example_kwargs alone did not build the model"
     loss = pm.step(**batch)
     out = ref(**batch)
     out.loss.backward()
