@@ -245,9 +245,8 @@ def _grad_inputs(sample: Sample, tensors: list[torch.Tensor]) -> list[int]:
 
 class _ThreadComm:
     """The collectives of n simulated ranks run in threads, for an op whose lowering exchanges
-    something itself (`OpFacts.exchanges`: BatchNorm's batch statistics): an all-reduce
-    whose adjoint is an all-reduce, and an all-gather whose adjoint is a reduce-scatter,
-    summing in rank order on every rank."""
+    something itself (`OpFacts.exchanges`: BatchNorm's batch statistics): an all-gather
+    whose adjoint is a reduce-scatter, summing in rank order on every rank."""
 
     def __init__(self, n: int):
         self.barrier = threading.Barrier(n)
@@ -262,20 +261,6 @@ class _ThreadComm:
             total = total + other
         self.barrier.wait()
         return total
-
-    def all_reduce(self, x: torch.Tensor, mesh_dim: int) -> torch.Tensor:
-        comm = self
-
-        class _Sum(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, t):
-                return comm._sum(t.detach())
-
-            @staticmethod
-            def backward(ctx, grad):
-                return comm._sum(grad)
-
-        return _Sum.apply(x)
 
     def all_gather(self, x: torch.Tensor, dim: int, mesh_dim: int) -> torch.Tensor:
         comm, n = self, len(self.slots)

@@ -44,6 +44,13 @@ def layer_norm(call: OpCall) -> list[Rule1D]:
     return rules + [Rule1D((R, *weights), R)]
 
 
+def _statistics_dims(placements, mesh_shape) -> list[int]:
+    """The mesh dimensions (of more than one rank) that split BatchNorm's input other than by
+    its channels: the ranks whose statistics are combined (`sync_batch_norm`)."""
+    return [k for k, p in enumerate(placements)
+            if isinstance(p, Shard) and p.dim != 1 and mesh_shape[k] > 1]
+
+
 def _batch_norm_exchanges(call: OpCall, inputs, mesh_shape, itemsize) -> list:
     """In training mode with the batch (or a spatial dimension) sharded: every rank's
     per-channel mean and variance all-gathered over each mesh dimension that shards them
@@ -52,8 +59,8 @@ def _batch_norm_exchanges(call: OpCall, inputs, mesh_shape, itemsize) -> list:
         return []
     x = call.inputs[0]
     nbytes = 2 * x.shape[1] * max(itemsize(x.dtype), 4)  # (statistics in float32 at least)
-    return [("all_gather", k, nbytes * mesh_shape[k]) for k, p in enumerate(inputs[0])
-            if isinstance(p, Shard) and p.dim != 1 and mesh_shape[k] > 1]
+    return [("all_gather", k, nbytes * mesh_shape[k])
+            for k in _statistics_dims(inputs[0], mesh_shape)]
 
 
 facts(aten.group_norm.default, aten.native_group_norm.default,
@@ -120,14 +127,12 @@ def sync_batch_norm(x, weight, bias, running_mean, running_var, momentum: float,
 def lower_batch_norm(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
     """In training mode with the batch or a spatial dimension sharded: `sync_batch_norm`,
     its statistics gathered over those mesh dimensions."""
-    dims = [k for k, p in enumerate(ctx.in_placements[0])
-            if isinstance(p, Shard) and p.dim != 1 and ctx.mesh_shape[k] > 1]
+    dims = _statistics_dims(ctx.in_placements[0], ctx.mesh_shape)
     if not call.arg(5, "training", False) or not dims:
         return call.target, args, kwargs
     x = call.inputs[0]
     count = math.prod(x.shape) // x.shape[1]
     comm = ctx.comm
-
     gathers = [lambda stats, k=k: comm.all_gather(stats.unsqueeze(0), 0, k) for k in dims]
 
     def local(x, weight=None, bias=None, running_mean=None, running_var=None, *_, **__):
