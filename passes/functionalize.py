@@ -142,17 +142,17 @@ def _written_value(graph: fx.Graph, node: fx.Node) -> fx.Node:
         if op is None:
             raise WriteError(f"{node.target} writes into a tensor the model computed and has "
                              "no out-of-place form autopar knows")
-        value = _fake(_copy_meta(node, graph.call_function(op, node.args, dict(node.kwargs))))
+        value = fake_value(_copy_meta(node, graph.call_function(op, node.args, dict(node.kwargs))))
         dtype = node.args[0].meta["val"].dtype
         if value.meta["val"].dtype != dtype:  # an in-place op keeps its tensor's dtype
-            value = _fake(_copy_meta(node, graph.call_function(
+            value = fake_value(_copy_meta(node, graph.call_function(
                 aten._to_copy.default, (value,), {"dtype": dtype})))
         return value
     dest, src = node.args[0].meta["val"], node.args[1]
     if src.meta["val"].dtype != dest.dtype:
-        src = _fake(_copy_meta(node, graph.call_function(aten._to_copy.default, (src,),
+        src = fake_value(_copy_meta(node, graph.call_function(aten._to_copy.default, (src,),
                                                          {"dtype": dest.dtype})))
-    return _fake(_copy_meta(node, graph.call_function(aten.expand.default,
+    return fake_value(_copy_meta(node, graph.call_function(aten.expand.default,
                                                       (src, list(dest.shape)))))
 
 
@@ -177,7 +177,7 @@ def _writes_back(node: fx.Node, origin: dict, root: fx.Node, chain: list[fx.Node
         node.args[1].meta["val"].dtype == node.args[0].meta["val"].dtype
 
 
-def _fake(node: fx.Node) -> fx.Node:
+def fake_value(node: fx.Node) -> fx.Node:
     """Fill `node.meta["val"]` by running its op on its arguments' fake values."""
     def val(a):
         return a.meta["val"] if isinstance(a, fx.Node) else a
@@ -270,7 +270,8 @@ def functionalize_activation_writes(gm: fx.GraphModule) -> int:
             with graph.inserting_before(node):
                 value = new = _written_value(graph, node)
                 for view in reversed(chain):
-                    new = _fake(_copy_meta(node, _scatter(graph, view, _view_input(view), new)))
+                    new = fake_value(_copy_meta(node, _scatter(graph, view, _view_input(view),
+                                                               new)))
         except WriteError as e:
             e.node = node
             raise

@@ -63,6 +63,7 @@ from .meta_copies import (  # noqa: F401  (re-exported)
     meta_copy,
     plain_tensors,
 )
+from .row_reshape import unflatten_row_chains
 from .side_effects import SideEffectWatch
 from .soundness import SoundnessGate
 from .torch_compat import (
@@ -381,6 +382,7 @@ def _program(ep, root: nn.Module, model: nn.Module, loss_fn, stack: layer_fold.S
     gm.graph.eliminate_dead_code()
     gm.recompile()
     _functionalize(gm)
+    unflatten_row_chains(gm)  # nn.MultiheadAttention's (L*N, E) projection keeps N apart
 
     canonical = {id(p): name for name, p in model.named_parameters()}
     with_loss = loss_fn is not None or (isinstance(root, _Step) and root.result.found)

@@ -122,6 +122,14 @@ def test_torch_nn_transformer(world2, force):
     _check_style(plan, force)
 
 
+def test_torch_nn_transformer_accumulates(world2):
+    """nn.MultiheadAttention keeps the samples apart (its (L*N, E) projection is traced on
+    (L, N, E)): 2 microbatches train as the whole batch."""
+    plan = world2.run(rank_tasks.dropout_equivalence, "nn_transformer", (2,), None,
+                      options={"microbatches": 2})[0]  # (returns the step's plan)
+    assert plan["accumulation"] == 2
+
+
 @pytest.mark.parametrize("force", ONE_D, ids=lambda f: f or "solver")
 def test_lora_fine_tuning(world2, force):
     """peft LoRA on a Llama: the frozen base weights stay as they were, the adapters train as

@@ -269,6 +269,36 @@ def test_accumulation_refused_where_samples_mix(model, loss_fn, where):
     assert per_sample.accumulation == 2
 
 
+class _SelfAttention(torch.nn.Module):
+    """nn.MultiheadAttention, batch first, returning its head-averaged weights or not."""
+
+    def __init__(self, need_weights: bool):
+        super().__init__()
+        self.need_weights = need_weights
+        self.attn = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, x):
+        out, weights = self.attn(x, x, x, need_weights=self.need_weights)
+        return out if weights is None else out + weights.mean(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_keeps_the_samples_apart(need_weights):
+    """nn.MultiheadAttention flattens (L, N, E) to (L*N, E) for its output projection, rows
+    interleaving the samples: the trace projects (L, N, E) instead, so microbatches add up
+    (they were refused) and the batch stays sharded through the projection."""
+    import autopar
+    x, y = torch.randn(8, 6, 16), torch.randn(8, 6, 16)
+    program = trace(_SelfAttention(need_weights), (x,), F.mse_loss, y)
+    flat = [n for n in program.graph.nodes if n.target == torch.ops.aten.linear.default
+            and n.args[0].meta["val"].shape == (6 * 8, 16)]
+    assert not flat
+    plan = autopar.plan(_SelfAttention(need_weights), autopar.MeshSpec((2,)), (x, y),
+                        loss_fn=F.mse_loss, microbatches=2, force={0: "data"})
+    assert plan.accumulation == 2
+    assert not [c for c in plan.collectives if c.phase != "gradient sync"]
+
+
 class _Noised(torch.nn.Module):
     def __init__(self):
         super().__init__()
