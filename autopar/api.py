@@ -27,16 +27,17 @@ __all__ = ["PlanMismatchError", "parallelize", "plan"]
 
 
 @planning
-def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs, loss_fn=None, *,
+def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs=(), loss_fn=None, *,
          example_kwargs: dict | None = None, options: PlanOptions | None = None,
          **option_fields) -> Plan:
     """Plan `model` for `mesh` without running it: trace, enumerate strategies, solve.
 
     `example_inputs` are the model's inputs followed by the target when `loss_fn` is given
     (exactly what `step` will receive; with `per_rank_inputs`, the global batch); they and the
-    model may live on the meta device. `example_kwargs` are keyword inputs of the model. A
-    model without `loss_fn` is planned for inference, or, when it returns its own loss (a scalar,
-    or an output with a `loss` field), for training on that loss.
+    model may live on the meta device. `example_kwargs` are keyword inputs of the model (a
+    Hugging Face batch; `example_inputs` may then be left out). A model without `loss_fn` is
+    planned for inference, or, when it returns its own loss (a scalar, or an output with a
+    `loss` field), for training on that loss.
 
     `options` (a PlanOptions), or its fields as keyword arguments, set the memory budget,
     forced styles, solver, optimizer and precision priced, pipeline settings and inputs (see

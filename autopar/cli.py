@@ -220,7 +220,7 @@ def build(spec: str, batch: int, seq: int | None):
     """(model, example inputs, example kwargs, loss_fn) for a preset, a config.json or a
     module:function (see the module docstring)."""
     if spec in PRESETS or spec.endswith(".json") or os.path.isfile(spec):
-        model = hf_model(PRESETS[spec] if spec in PRESETS else _read(spec))
+        model = hf_model(PRESETS[spec] if spec in PRESETS else _read(spec), spec)
         ids = token_ids(batch, seq or min(2048, _positions(model.config)))
         return model, (), {"input_ids": ids, "labels": ids}, None
     if ":" not in spec:
@@ -236,12 +236,15 @@ def build(spec: str, batch: int, seq: int | None):
     return built, (), {"input_ids": ids, "labels": ids}, None
 
 
-def hf_model(config: dict):
-    """A Hugging Face causal LM from a config dict, on the meta device (transformers is
-    imported here, when needed)."""
+def hf_model(config: dict, name: str = "the config"):
+    """A Hugging Face causal LM from a config dict (`name`: the preset or file it came from),
+    on the meta device (transformers is imported here, when needed)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .zoo import import_transformers
+
+    transformers = import_transformers(f"{name}")
+    AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
     d = dict(config)
     if "model_type" not in d:
         raise ValueError("the config has no model_type (a Hugging Face config.json has one)")

@@ -9,6 +9,7 @@ import this one).
 from __future__ import annotations
 
 import difflib
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -62,27 +63,45 @@ def explain(plan, name: str) -> Explanation:
                            "drawn at random, given, pipelined, or saved by an older autopar)")
     index, tables = plan.alternatives["nodes"], plan.alternatives["tables"]
     known = [n for n in names if n in index]
-    shown = known[:SHOWN]
     ops = {o.name: o for o in plan.ops}
+    groups = alike(known, ops, tables, index)
     dims = ", ".join(plan.mesh.names)
     lines = [f"{name}: the chosen strategy and the next best, each priced with the rest of the "
              "plan fixed", f"(placements per mesh dimension {dims}; ms forward + backward; "
              "AG all-gather, RS reduce-scatter, A2A all-to-all, grad gradient sync; "
              "MiB per device; then what ruled it out)"]
-    for n in shown:
-        o = ops.get(n)
+    for group in groups[:SHOWN]:
+        n, o = group[0], ops.get(group[0])
         what = (f"op {n} ({o.op}) in {o.module or 'the model'}" if o is not None
                 else f"parameter {n} (storage placement)")
+        if len(group) > 1:
+            what += (f", and {len(group) - 1} more planned alike: "
+                     + ", ".join(group[1:3]) + (", ..." if len(group) > 3 else ""))
         lines.append(what)
         for k, row in enumerate(tables[index[n]]):
             lines.append(_row(row, chosen=k == 0))
-    if len(known) > len(shown):
-        lines.append(f"... {len(known) - len(shown)} more ops and parameters in {name}: "
+    rest = sum(len(g) for g in groups[SHOWN:])
+    if rest:
+        lines.append(f"... {rest} more ops and parameters in {name}: "
                      "explain one of them by name")
     text = "\n".join(part for line in lines
                      for part in textwrap.wrap(line, WIDTH, subsequent_indent=" " * 9,
                                                drop_whitespace=False) or [""])
     return Explanation(name, {n: tables[index[n]] for n in known}, text)
+
+
+def alike(names: list[str], ops: dict, tables: list, index: dict) -> list[list[str]]:
+    """`names` in groups planned alike (the same op, or a parameter, in the same module of
+    another layer, such as `layers.3.mlp.up_proj` and `layers.4.mlp.up_proj`, with the same
+    candidates at the same prices), each group in `names`' order, first seen first."""
+    groups: dict[tuple, list[str]] = {}
+    for n in names:
+        o = ops.get(n)
+        where = o.module if o is not None else n
+        key = (o.op if o is not None else "parameter", re.sub(r"\.\d+(?=\.|$)", ".#", where),
+               repr(tables[index[n]]))
+        groups.setdefault(key, []).append(n)
+    return list(groups.values())
 
 
 def _row(row: dict, chosen: bool) -> str:

@@ -222,13 +222,25 @@ class LogitsOnly(nn.Module):
         return self.model(input_ids=input_ids).logits
 
 
+def import_transformers(needed_by: str):
+    """The `transformers` module, an optional dependency; an ImportError that says how to
+    install it when it is missing."""
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(f"{needed_by} is a Hugging Face model and needs the transformers "
+                          "package, which autopar does not install by default: pip install "
+                          "transformers (or pip install -e '.[hf]' in autopar's checkout)"
+                          ) from None
+    return transformers
+
+
 def hf_causal_lm(kind: str, **fields) -> LogitsOnly:
     """A Hugging Face causal LM built from config, no downloads: `kind` is the transformers
     prefix ("GPT2", "Llama", "Mixtral", ...) of its `<kind>Config` and `<kind>ForCausalLM` (or
     `<kind>LMHeadModel`), `fields` its config fields. No KV cache, no special tokens, SDPA
     attention: what autopar traces."""
-    import transformers  # an optional dependency
-
+    transformers = import_transformers(f"the zoo's {kind} model")
     config = getattr(transformers, f"{kind}Config")(
         **{"bos_token_id": None, "eos_token_id": None, "use_cache": False,
            "attn_implementation": "sdpa", **fields})

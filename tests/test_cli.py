@@ -109,3 +109,11 @@ def test_calibrate_needs_torchrun():
 def test_bad_arguments_are_errors_naming_them():
     done = autopar_here("plan", "gpt2", "--mesh", "8y8", check=False)
     assert done.returncode == 2 and "--mesh '8y8'" in done.stderr
+
+
+def test_a_preset_without_transformers_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    done = autopar_here("plan", "llama3-8b", "--mesh", "8", "-q", check=False)
+    assert done.returncode == 2
+    assert "llama3-8b is a Hugging Face model" in done.stderr
+    assert "pip install transformers" in done.stderr

@@ -177,6 +177,11 @@ def test_explain_gives_the_choice_and_the_alternatives(tmp_path):
     assert str(autopar.Plan.load(str(path)).explain(op)) == str(plan.explain(op))
     with pytest.raises(KeyError, match="did you mean"):
         plan.explain("h.0.attn.c_atn")
+    # both layers' c_attn, planned alike: one block each for the op, weight and bias
+    both = str(plan.explain("attn.c_attn"))
+    assert both.count("  chosen ") == 3 and both.count("1 more planned alike") == 3
+    assert "h.1.attn.c_attn.weight" in both and set(plan.explain("attn.c_attn").nodes) >= {
+        "h.0.attn.c_attn.weight", "h.1.attn.c_attn.weight"}
 
 
 def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):

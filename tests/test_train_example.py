@@ -23,6 +23,7 @@ def train(*args: str) -> str:
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Warning" not in done.stderr, done.stderr[-3000:]  # torch's, on every rank
     return done.stdout
 
 
