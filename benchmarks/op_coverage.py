@@ -153,6 +153,7 @@ MODELS = {
     "vit_base": lambda: _hf_vision("ViT", **_BASE),
     "swin_tiny": lambda: _hf_vision("Swin"),
     "wav2vec2_base": lambda: _audio("Wav2Vec2", "ForSequenceClassification", layerdrop=0.0,
+                                    mask_time_prob=0.0,  # SpecAugment draws with numpy
                                     **_BASE),
     "bert_base": lambda: _encoder("Bert", **_BASE),
     "t5_small": lambda: _seq2seq("T5"),

@@ -5,7 +5,9 @@ attributes (a call counter, a list it appends to, a cached value) happens at tra
 graph autopar runs afterwards repeats the tensor ops, not the Python. torch.export also puts those
 attributes back as they were after tracing, so the change is only visible while forward runs:
 `SideEffectWatch` compares every module's attributes just before and just after the root
-module's forward, from forward hooks, and reports what changed.
+module's forward, from forward hooks, and reports what changed. `replay` sets them as forward
+left them, so that a second trace can tell a change made once for good (a setting derived from
+the input's shape) from one made at every call (passes/trace.py).
 
 The comparison is shallow: a value counts as changed when it is rebound to another object (equal
 numbers and strings are the same value), and a list, tuple, dict or set also when its items (by
@@ -52,6 +54,7 @@ class SideEffectWatch:
         self.root, self.prefix = root, prefix
         self._before: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._changes: list[str] = []
+        self._left: dict[tuple[str, str], Any] = {}  # what forward left each changed attribute
         self._handles: list[Any] = []
 
     def __enter__(self) -> SideEffectWatch:
@@ -73,6 +76,16 @@ class SideEffectWatch:
         """One line per attribute forward changed (empty when none did)."""
         return list(self._changes)
 
+    def replay(self) -> None:
+        """Set every attribute forward changed to what forward left it (what the first call
+        of the model leaves): export puts them back as they were."""
+        modules = dict(self.root.named_modules(remove_duplicate=False))
+        for (path, name), value in self._left.items():
+            if value is _UNSET:
+                delattr(modules[path], name)
+            else:
+                setattr(modules[path], name, value)
+
     def _pre(self, module, args) -> None:
         self._before = _snapshot(self.root)
 
@@ -81,6 +94,7 @@ class SideEffectWatch:
         for key in sorted(self._before.keys() | after.keys()):
             old, new = self._before.get(key, (_UNSET, None)), after.get(key, (_UNSET, None))
             if not _same(old, new):
+                self._left[key] = new[0]
                 path = ".".join(p for p in (self.prefix.rstrip("."), *key) if p)
                 line = f"{path} {_how(old, new)}"
                 if line not in self._changes:  # forward may run more than once

@@ -442,7 +442,26 @@ def _program(ep, root: nn.Module, model: nn.Module, loss_fn, stack: layer_fold.S
 def _export(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack | None):
     """torch.export of `root` (cut to the stack's first two layers, when given), non-strict;
     raises TraceError naming the model's line for what export cannot capture, and for
-    forward changing the model's Python state."""
+    forward changing the model's Python state at every call.
+
+    A change made once for good is accepted: forward sets an attribute from what it is given
+    (Swin sets its window shift from the input's resolution) and, with the attributes as it
+    left them (`SideEffectWatch.replay`), a second export changes nothing and records the
+    same graph. Every call then computes that graph, the first included, and the program
+    runs it; anything else (a counter, a list appended to, a value read before it is set)
+    is refused."""
+    ep, watch = _export_once(root, args, kwargs, prefix, stack)
+    if not watch.changes():
+        return ep
+    watch.replay()
+    again, second = _export_once(root, args, kwargs, prefix, stack)
+    if second.changes() or again.graph_module.code != ep.graph_module.code:
+        check_no_side_effects(watch.changes())
+    return again
+
+
+def _export_once(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack | None):
+    """(the export of `root`, the SideEffectWatch that watched it): see `_export`."""
     restore = layer_fold.cut(root, stack) if stack is not None else None
     try:
         with SideEffectWatch(root, prefix=prefix) as watch, \
@@ -459,15 +478,14 @@ def _export(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack 
     finally:
         if restore is not None:
             restore()
-    check_no_side_effects(watch.changes())
-    return ep
+    return ep, watch
 
 
 def _fold_verdict(root: nn.Module, stack: layer_fold.Stack, args, kwargs, device,
                   prefix: str, compute_dtype: torch.dtype | None = None) -> bool:
     """Whether the records of the whole model and of the model cut to two layers say that
-    copying layer 1 of the stack (passes/fold.py) gives every layer; raises TraceError when
-    forward changes the model's Python state.
+    copying layer 1 of the stack (passes/fold.py) gives every layer; not when forward changes
+    the model's Python state (the model is then exported whole, and `_export` judges it).
 
     The records run on a copy of `root` (its floating-point parameters in `compute_dtype`,
     when given) under a fake mode without a shape environment (ops
@@ -476,7 +494,7 @@ def _fold_verdict(root: nn.Module, stack: layer_fold.Stack, args, kwargs, device
     mode = static_fake_mode()
     root = fake_copy(root, mode, device, compute_dtype)
     args, kwargs = tree_map(lambda t: fake_tensor(t, mode, device), (args, kwargs))
-    with SideEffectWatch(root, prefix=prefix) as watch:  # forward may change state: say so here
+    with SideEffectWatch(root, prefix=prefix) as watch:
         full = layer_fold.record(root, stack, args, kwargs, mode)
         restore = layer_fold.cut(root, stack)
         try:
@@ -484,8 +502,8 @@ def _fold_verdict(root: nn.Module, stack: layer_fold.Stack, args, kwargs, device
                                       args, kwargs, mode)
         finally:
             restore()
-    check_no_side_effects(watch.changes())
-    return layer_fold.foldable(full, short)
+    # forward changes state: exported whole, where _export accepts a change made for good
+    return not watch.changes() and layer_fold.foldable(full, short)
 
 
 def _unfold(gm: fx.GraphModule, stack, ep, params: dict, buffers: dict, canonical: dict,

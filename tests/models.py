@@ -399,6 +399,27 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
+class ShiftedWindows(nn.Module):
+    """Swin's habit: forward sets its window shift from the input's size (none when one
+    window covers the whole input), a change made once for good, then shifts cyclically
+    (`torch.roll`) around a per-position MLP, with a GroupNorm per sample."""
+
+    def __init__(self, width: int = 8, window: int = 4, classes: int = 4):
+        super().__init__()
+        self.window, self.shift = window, window // 2
+        self.mix = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                 nn.Linear(2 * width, width))
+        self.norm = nn.GroupNorm(2, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):  # (N, H, W, C)
+        self.shift = 0 if min(x.shape[1:3]) <= self.window else self.window // 2
+        h = torch.roll(x, (-self.shift, -self.shift), (1, 2))
+        h = torch.roll(self.mix(h), (self.shift, self.shift), (1, 2)) + x
+        h = self.norm(h.permute(0, 3, 1, 2))
+        return self.head(h.mean((2, 3)))
+
+
 class TorchTransformerLM(nn.Module):
     """A language model around torch.nn.Transformer (encoder and decoder, batch first, the
     decoder causal), whose attention is nn.MultiheadAttention's own code path."""

@@ -124,6 +124,9 @@ def build(name):
     elif name == "resnet":  # convolutions, BatchNorm in training mode, pooling
         return models.ResNet(), torch.nn.functional.cross_entropy, (
             torch.randn(8, 3, 12, 12), torch.randint(0, 10, (8,)))
+    elif name == "shifted_windows":  # forward sets its shift once for good (Swin)
+        return models.ShiftedWindows(), torch.nn.functional.cross_entropy, (
+            torch.randn(8, 6, 6, 8), torch.randint(0, 4, (8,)))
     elif name == "nn_transformer":  # torch.nn.Transformer: MultiheadAttention's code path
         model = models.TorchTransformerLM()
     elif name == "unsupported":  # aten.flip has no sharding rule

@@ -122,6 +122,14 @@ def test_torch_nn_transformer(world2, force):
     _check_style(plan, force)
 
 
+@pytest.mark.parametrize("force", [None, "data"], ids=lambda f: f or "solver")
+def test_state_set_once_for_good(world2, force):
+    """Forward sets its window shift from the input's size (Swin's habit; the shift taken at
+    the first call is every call's): traced, and trains as on one device."""
+    plan = world2.run(rank_tasks.train_equivalence, "shifted_windows", (2,), force)[0]
+    _check_style(plan, force)
+
+
 def test_torch_nn_transformer_accumulates(world2):
     """nn.MultiheadAttention keeps the samples apart (its (L*N, E) projection is traced on
     (L, N, E)): 2 microbatches train as the whole batch."""

@@ -285,6 +285,35 @@ def test_forward_that_changes_python_state():
     assert "does not repeat Python side effects" in msg and "out of forward" in msg
 
 
+class _ReadThenSet(nn.Module):
+    """Reads a setting, then changes it for good: the first call computes with the old value,
+    every later call with the new one."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = 1.0
+
+    def forward(self, x):
+        y = self.fc(x) * self.scale
+        self.scale = 2.0
+        return y
+
+
+def test_state_changed_for_good_is_traced_only_where_every_call_computes_alike():
+    from autopar.passes.trace import trace
+    from tests.models import ShiftedWindows
+    x = torch.randn(4, 6, 6, 8)
+    model = ShiftedWindows(window=8)  # one window covers 6 x 6: no shift
+    program = trace(model, (x,))
+    assert model.shift == 4  # the user's model is left as it was
+    rolls = [n for n in program.graph.nodes if n.target == torch.ops.aten.roll.default]
+    assert rolls and all(n.args[1] == [0, 0] for n in rolls)
+    with pytest.raises(TraceError, match=r"model.0.scale changed from 1.0 to 2.0"):
+        autopar.plan(nn.Sequential(_ReadThenSet()), autopar.MeshSpec((2,), hardware="cpu"),
+                     (torch.randn(4, 8),))
+
+
 def test_forward_that_sets_a_cache_attribute():
     class Caching(nn.Module):
         def __init__(self):

@@ -68,6 +68,29 @@ facts(aten.group_norm.default, aten.native_group_norm.default,
       saves=SAVES_INPUTS, kernel="norm")
 facts(aten.batch_norm.default, flops_per_element=20.0, saves=SAVES_INPUTS, kernel="norm",
       exchanges=_batch_norm_exchanges)
+facts(aten._weight_norm.default, flops_per_element=4.0, saves=SAVES_INPUTS, kernel="norm")
+
+
+@register(aten.group_norm.default)
+def group_norm(call: OpCall) -> list[Rule1D]:
+    """group_norm(x, num_groups, weight, bias, ...): x is (N, C, ...), each sample normalized
+    over its groups of channels and all its positions, so the batch may be sharded (the
+    weight and bias, per channel, whole)."""
+    per_channel = tuple(R for _ in call.inputs[1:])
+    return [Rule1D((Shard(0), *per_channel), Shard(0)), Rule1D((R, *per_channel), R)]
+
+
+@register(aten._weight_norm.default)
+def weight_norm(call: OpCall) -> list[Rule1D]:
+    """_weight_norm(v, g, dim): v scaled to the norm g, each slice along `dim` by its own
+    norm (nn.utils.weight_norm; Wav2Vec2's positional convolution), so `dim` may be sharded
+    with g; dim -1 takes one norm of all of v."""
+    v, dim = call.inputs[0], call.arg(2, "dim", 0)
+    rules = [Rule1D((R, R), R)]
+    if dim != -1:
+        d = dim % v.ndim
+        rules.append(Rule1D((Shard(d), Shard(d)), Shard(d)))
+    return rules
 
 
 @register(aten.batch_norm.default)

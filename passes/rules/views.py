@@ -149,6 +149,17 @@ def pad(call: OpCall) -> list[Rule1D]:
     return [r for r in rules if r.inputs[0] != P]  # a pending sum would pad every piece
 
 
+@register(aten.roll.default)
+def roll(call: OpCall) -> list[Rule1D]:
+    """Rotate the elements along `dims` (Swin's cyclic window shift): the other dimensions
+    may be sharded. Without dims it rotates the flattened tensor, which moves every
+    dimension."""
+    x = call.inputs[0]
+    dims = call.arg(2, "dims", [])
+    rolled = {norm_dim(d, x.ndim) for d in dims} if dims else set(range(x.ndim))
+    return dim_map_rules(call, {j: j for j in range(x.ndim) if j not in rolled})
+
+
 @register(aten.expand_as.default)
 def expand_as(call: OpCall) -> list[Rule1D]:
     """Broadcast to the shape of `other`, whose values are not read: each dimension of the
