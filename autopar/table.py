@@ -9,6 +9,7 @@ Both take an `autopar.Plan` (duck-typed here, so that the Plan's module may impo
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
@@ -141,23 +142,24 @@ def module_groups(plan) -> list[ModuleGroup]:
 def modules(plan) -> str:
     """The plan grouped by the model's modules, identical layers folded (what print shows)."""
     table = [("module", "params", "heaviest op: inputs -> output", "ms", "collectives",
-              "Rn: n ops replicated")]
+              "Rn: n replicated")]
     for group in module_groups(plan):
         if not group.layer:
             table.append(cells(plan, group.label, group.rows[""]))
             continue
         count = group.count
         stage = {o.stage for r in group.rows.values() for o in r.ops}
-        where = f"stage {min(stage)}" if getattr(plan, "pipeline", None) else ""
-        table.append((group.label + (f"  x{count}" if count > 1 else ""), "", where,
-                      ms(group.time), "", "ms: all; rows: 1 layer" if count > 1 else ""))
+        # the group's row has no op of its own: the op column says what its ms counts
+        where = [f"stage {min(stage)}"] if getattr(plan, "pipeline", None) else []
+        where += ["ms: all; rows: 1 layer"] if count > 1 else []
+        table.append((group.label + (f"  x{count}" if count > 1 else ""), "", "; ".join(where),
+                      ms(group.time), "", ""))
         for r, sub in group.rows.items():
             table.append(cells(plan, "  " + (r or "(layer)"), sub))
-    lines = header(plan) + [""] + _columns(table) + [""]
-    lines += parameter_lines(plan) + [""] + collective_lines(plan) + [""]
-    lines += [part for line in cost_lines(plan.cost) + footer(plan)
-              for part in textwrap.wrap(line, WIDTH, subsequent_indent="    ") or [""]]
-    return "\n".join(_fit(line) for line in lines)
+    after = parameter_lines(plan) + [""] + collective_lines(plan) + [""]
+    lines = _wrapped(header(plan)) + [""] + _columns(table) + [""]
+    lines += _wrapped(after + cost_lines(plan.cost) + footer(plan))
+    return "\n".join(lines)
 
 
 def _run(layers: dict[int, dict[str, ModuleRow]], first: int) -> list[int]:
@@ -192,24 +194,48 @@ def cells(plan, label: str, row: ModuleRow) -> tuple[str, ...]:
     return (label, params, op, ms(sum(o.time for o in row.ops)), coll, note)
 
 
-# Column caps: module, params, op, ms, collectives; the note takes what is left of WIDTH.
-CAPS = (30, 12, 32, 8, 20)
+# Column caps: module, params, op, ms, collectives. A wider cell wraps; the note (the last
+# column) takes what is left of WIDTH, at least its header's width, the op column giving way.
+CAPS = (30, 12, 36, 10, 20)
 
 
 def _columns(table: list[tuple[str, ...]]) -> list[str]:
-    """Aligned rows, every cell cut to its column's cap (the last to the line's width)."""
+    """Aligned rows no wider than WIDTH. A cell wider than its column wraps onto continuation
+    lines, indented two spaces, the row's other cells blank on them: nothing is cut."""
     widths = [min(cap, max(len(r[i]) for r in table)) for i, cap in enumerate(CAPS)]
+    room = WIDTH - sum(widths) - 2 * len(widths)
+    least = len(table[0][-1])
+    widths[2] -= max(0, least - room)
+    widths.append(min(max(len(r[-1]) for r in table), max(room, least)))
     out = []
     for r in table:
-        cells = [_cut(c, w) for c, w in zip(r, widths)]
-        cells[3] = cells[3].rjust(widths[3]) if r is not table[0] else cells[3].ljust(widths[3])
-        cells = [c.ljust(w) if i != 3 else c for i, (c, w) in enumerate(zip(cells, widths))]
-        out.append("  ".join([*cells, r[-1]]).rstrip())
+        parts = [_wrap(c, w) for c, w in zip(r, widths)]
+        for k in range(max(map(len, parts))):
+            line = [p[k] if k < len(p) else "" for p in parts]
+            line = [c.rjust(w) if i == 3 and k == 0 and r is not table[0] else c.ljust(w)
+                    for i, (c, w) in enumerate(zip(line, widths))]
+            out.append("  ".join(line).rstrip())
     return out
 
 
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 2] + ".."
+class _Wrapper(textwrap.TextWrapper):
+    # Breaks at spaces and after the dots of module paths and the commas of placement lists;
+    # a word is split only when it is wider than its column.
+    wordsep_simple_re = re.compile(r"(\s+|(?<=[.,])(?=[^\s.,]))")
+
+
+def _wrap(cell: str, width: int) -> list[str]:
+    """A cell's lines in a column `width` wide, continuations two spaces further in."""
+    if len(cell) <= width:
+        return [cell]
+    indent = " " * (len(cell) - len(cell.lstrip()) + 2)
+    return _Wrapper(width, subsequent_indent=indent, break_on_hyphens=False).wrap(cell)
+
+
+def _wrapped(lines: list[str]) -> list[str]:
+    """Lines longer than WIDTH wrapped, continuations indented four spaces."""
+    return [part for line in lines
+            for part in textwrap.wrap(line, WIDTH, subsequent_indent="    ") or [""]]
 
 
 def short_op(op: str) -> str:
@@ -217,10 +243,6 @@ def short_op(op: str) -> str:
     attention kernels as "sdpa"."""
     name = op.split(".")[0].lstrip("_")
     return "sdpa" if name.startswith("scaled_dot_product") else name
-
-
-def _fit(line: str) -> str:
-    return _cut(line, WIDTH)
 
 
 def storage_label(plan, name: str) -> str:
