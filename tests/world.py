@@ -317,7 +317,8 @@ def _context():
 
 
 PRELOAD = ["torch", "torch.distributed", "torch.export", "torch._dynamo", "autopar",
-           "autopar.planner", "transformers", "transformers.modeling_utils",
+           "autopar.api", "autopar.parallelized", "autopar.checkpoint", "autopar.planner",
+           "transformers", "transformers.modeling_utils",
            "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
            "transformers.models.mixtral.modeling_mixtral", "tests.models", "tests.rank_tasks"]
 
