@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -179,7 +180,8 @@ class OpProfiler:
         target = node.call.target
         lower = LOWERINGS.get(target)
         if lower is not None:
-            ctx = local_context(node, strategy, mesh_shape, tuple(0 for _ in mesh_shape))
+            ctx = replace(local_context(node, strategy, mesh_shape, tuple(0 for _ in mesh_shape)),
+                          comm=_Repeated(mesh_shape))
             target, args, kwargs = lower(node.call, args, kwargs, ctx)
 
         def run():
@@ -199,6 +201,19 @@ class OpProfiler:
 
     def _timeit(self, fn) -> float:
         return time_per_call(fn, self.min_time, device_sync(self.device), rounds=self.samples)
+
+
+class _Repeated:
+    """The collectives an op exchanges inside itself (BatchNorm's statistics, a convolution's
+    halo) as one rank would see them, without the exchange: an all-gather returns as many
+    copies of the local piece, so the op computes on the shapes it will have (the exchange
+    is priced apart, `OpFacts.exchanges`)."""
+
+    def __init__(self, mesh_shape: tuple[int, ...]):
+        self.mesh_shape = mesh_shape
+
+    def all_gather(self, x: torch.Tensor, dim: int, mesh_dim: int) -> torch.Tensor:
+        return torch.cat([x] * self.mesh_shape[mesh_dim], dim)
 
 
 def _random(shape, dtype: torch.dtype, device: torch.device, grad: bool) -> torch.Tensor:

@@ -124,6 +124,10 @@ def build(name):
     elif name == "resnet":  # convolutions, BatchNorm in training mode, pooling
         return models.ResNet(), torch.nn.functional.cross_entropy, (
             torch.randn(8, 3, 12, 12), torch.randint(0, 10, (8,)))
+    elif name in ("resnet_one_image", "resnet_one_tall_image"):  # spatial shards, halos
+        size = (256, 256) if name == "resnet_one_image" else (512, 64)
+        return models.ResNet(), torch.nn.functional.cross_entropy, (
+            torch.randn(1, 3, *size), torch.randint(0, 10, (1,)))
     elif name == "shifted_windows":  # forward sets its shift once for good (Swin)
         return models.ShiftedWindows(), torch.nn.functional.cross_entropy, (
             torch.randn(8, 6, 6, 8), torch.randint(0, 4, (8,)))

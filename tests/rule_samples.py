@@ -504,6 +504,24 @@ add(aten.conv2d.default, "groups", lambda g: call(g.f(6, 4, 5, 5), g.f(6, 2, 3, 
 add(aten.conv2d.default, "unbatched", lambda g: call(g.f(6, 5, 5), g.f(6, 6, 3, 3)))
 add(aten.conv2d.padding, "same", lambda g: call(g.f(6, 6, 5, 5), g.f(6, 6, 3, 3), None, [1, 1],
                                                 "same"))
+# spatial shards: "same" padding, ResNet's 7x7 stem (a halo of 3 and 2 rows), a kernel
+# wider than a shard of 3 ranks, a strided 1x1 shortcut (no halo), dilation
+add(aten.conv2d.default, "spatial_same", lambda g: call(g.f(2, 3, 6, 12), g.f(4, 3, 3, 3),
+                                                        g.f(4), [1, 1], [1, 1]))
+add(aten.conv2d.default, "spatial_stem", lambda g: call(g.f(1, 3, 12, 12), g.f(4, 3, 7, 7),
+                                                        None, [2, 2], [3, 3]))
+add(aten.conv2d.default, "spatial_wide", lambda g: call(g.f(1, 2, 6, 6), g.f(2, 2, 7, 7),
+                                                        g.f(2), [1, 1], [3, 3]))
+add(aten.conv2d.default, "spatial_shortcut", lambda g: call(g.f(2, 4, 12, 12), g.f(6, 4, 1, 1),
+                                                            None, [2, 2]))
+add(aten.conv2d.default, "spatial_dilated", lambda g: call(g.f(1, 2, 12, 6), g.f(2, 2, 3, 3),
+                                                           None, [1, 1], [2, 2], [2, 2]))
+add(aten.conv1d.default, "spatial", lambda g: call(g.f(2, 3, 12), g.f(4, 3, 3), g.f(4), [1],
+                                                   [1]))
+add(aten.max_pool2d.default, "spatial_stem", lambda g: call(g.f(2, 3, 12, 12), [3, 3], [2, 2],
+                                                            [1, 1]))
+add(aten.max_pool1d.default, "spatial", lambda g: call(g.f(2, 3, 12), [2]))
+add(aten.adaptive_avg_pool2d.default, "spatial_to_one", lambda g: call(g.f(2, 3, 6, 6), [1, 1]))
 add(aten.conv1d.default, "bias", lambda g: call(g.f(6, 6, 9), g.f(6, 6, 3), g.f(6)))
 add(aten.conv1d.padding, "same", lambda g: call(g.f(6, 6, 9), g.f(6, 6, 3), None, [1], "same"))
 add(aten.conv3d.default, "plain", lambda g: call(g.f(6, 6, 3, 4, 4), g.f(6, 6, 2, 2, 2)))
@@ -518,6 +536,8 @@ add(aten.convolution.default, "plain", lambda g: call(
     g.f(6, 6, 5, 5), g.f(12, 6, 3, 3), g.f(12), [1, 1], [1, 1], [1, 1], False, [0, 0], 1))
 add(aten.convolution.default, "depthwise", lambda g: call(
     g.f(6, 6, 5, 5), g.f(6, 1, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 6))
+add(aten.convolution.default, "spatial", lambda g: call(
+    g.f(2, 6, 6, 6), g.f(6, 6, 3, 3), g.f(6), [1, 1], [1, 1], [1, 1], False, [0, 0], 1))
 add(aten.convolution.default, "transposed", lambda g: call(
     g.f(6, 6, 4, 4), g.f(6, 6, 3, 3), None, [2, 2], [1, 1], [1, 1], True, [1, 1], 1))
 

@@ -14,6 +14,7 @@ from autopar.calibrate import fit_link
 from autopar.hardware import GB, HardwareProfile, Link
 from autopar.measured import SDPA_H100
 from autopar.passes import strategies
+from autopar.passes.rules import facts_of
 from autopar.passes.trace import trace_example
 from autopar.profile import OpProfiler
 from autopar.solver.cost import ALGO_FACTOR, CostModel
@@ -21,7 +22,7 @@ from autopar.solver.efficiency import matmul_efficiency
 from autopar.solver.flops import attention_flops, backward_factor, is_view
 from autopar.zoo import GPT, CausalSelfAttention, GPTConfig, lm_loss
 from tests import cost_tasks
-from tests.models import MLP
+from tests.models import MLP, ResNet
 
 # -- hardware profiles -----------------------------------------------------------------------------
 
@@ -577,3 +578,24 @@ def test_gradients_are_synchronized_in_the_master_dtype():
         fsdp = cost.edge_collectives(graph, use, slot, sharded.output, gathered)
         assert [(k, b, phase) for k, _, b, _, phase in fsdp] == \
             [("all_gather", compute * n, "forward"), ("reduce_scatter", 4 * n, "backward")]
+
+
+def test_profiler_times_ops_that_exchange_inside_themselves():
+    """A convolution's halo and BatchNorm's statistics are exchanged inside the op: the
+    profiler runs them on the shapes they will have (the exchange priced apart), instead of
+    leaving them at the roofline."""
+    x, y = torch.randn(1, 3, 32, 32), torch.randint(0, 10, (1,))
+    spec = autopar.MeshSpec((2,), hardware="cpu")
+    graph = strategies.build(trace_example(ResNet(), (x, y), F.cross_entropy), spec.shape)
+    cost = CostModel(spec, graph=graph)
+    profiler = OpProfiler("cpu", cache_dir=False, min_time=1e-5, samples=1)
+    timed = set()
+    for v in graph.nodes.values():
+        facts = facts_of(v.call.target) if v.call is not None else None
+        for s in v.strategies:
+            if facts is not None and facts.exchanges is not None and facts.exchanges(
+                    v.call, s.inputs, spec.shape, lambda dt: dt.itemsize):
+                assert profiler.time_op(v, s, cost) is not None, (v.name, s)
+                timed.add(str(v.call.target))
+    assert {"aten.conv2d.default", "aten.batch_norm.default",
+            "aten.max_pool2d.default"} <= timed

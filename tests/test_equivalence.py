@@ -122,6 +122,20 @@ def test_torch_nn_transformer(world2, force):
     _check_style(plan, force)
 
 
+@pytest.mark.parametrize("name,mesh,want", [
+    ("resnet_one_image", (4,), "S(2)"), ("resnet_one_image", (2, 2), "S(2)S(3)"),
+    ("resnet_one_tall_image", (2, 2), "S(2)S(2)")], ids=["rows", "rows-columns", "rows-2x2"])
+def test_resnet_on_one_image_shards_its_rows(world4, name, mesh, want):
+    """One image on 4 ranks: the solver shards its rows (256 x 256 on 4; 512 x 64 on 2 x 2,
+    both mesh dimensions splitting the rows) or rows and columns (256 x 256 on 2 x 2, the
+    halos' corners included), each convolution and max pool exchanging its halo with the
+    neighbouring shards and BatchNorm combining its statistics; training equals one device's
+    in float64."""
+    plan = world4.run(rank_tasks.train_equivalence, name, mesh)[0]
+    convs = [o["inputs"][0] for o in plan["ops"] if o["op"].startswith("conv2d")]
+    assert convs and all(p == want for p in convs), convs
+
+
 @pytest.mark.parametrize("force", [None, "data"], ids=lambda f: f or "solver")
 def test_state_set_once_for_good(world2, force):
     """Forward sets its window shift from the input's size (Swin's habit; the shift taken at

@@ -8,17 +8,26 @@ with the weight's (and bias's) filters (tensor parallel); and without groups the
 channels may be sharded with the weight's, each rank's output a pending sum (no bias: it would
 be added once per rank). A grouped convolution shards channels only where each shard holds
 whole groups, which holds for every split of a depthwise one (one input channel per group):
-the local op then runs groups / shards groups. The spatial dimensions stay whole (sharding
-them needs a halo exchange of the kernel's overlap, not built).
+the local op then runs groups / shards groups.
+
+A spatial dimension may be sharded too (spatial parallelism, for images larger than the batch
+is wide): each rank computes the output rows of its own input rows, which needs the kernel's
+overlap from its neighbours, a halo (`passes/rules/halo.py`): the rows before and after its
+shard, exchanged in forward and their gradients sent back in backward. That holds where the
+output has one row per `stride` input rows (padding "same"-like, the shard a multiple of the
+stride), as in ResNet's convolutions and its max pool; the other spatial dimensions keep
+their padding. Priced by the halo's bytes (`OpFacts.exchanges`).
 
 Pooling, adaptive pooling and upsampling work on each (sample, channel) plane alone: every
-dimension before the spatial ones may be sharded.
+dimension before the spatial ones may be sharded; a max pool also spatially with its halo,
+and an average pool to one position from each rank's partial mean (a pending sum).
 """
 
 from __future__ import annotations
 
 import math
 
+from . import halo
 from .registry import (
     SAVES_INPUTS,
     LocalContext,
@@ -70,8 +79,26 @@ def _conv_flops(call: OpCall, in_local, out_local) -> float:
     return 2.0 * math.prod(out_local[0]) * weight[1] * kernel
 
 
+def _conv_geometry(call: OpCall) -> dict[int, halo.Window]:
+    """The spatial dimensions of a (non-transposed, numerically padded) convolution whose
+    output has one row per stride input rows, each with its window (`halo.Window`)."""
+    if _transposed(call) or call.target not in (*_CONV[:3], *_GENERIC):
+        return {}
+    x, w = call.inputs[0], call.inputs[1]
+    first = 2 if x.ndim == w.ndim else 1  # the first spatial dimension of the input
+    return halo.windows(x.shape, call.out_shapes[0], first, list(w.shape[2:]),
+                        call.arg(3, "stride", 1), call.arg(4, "padding", 0),
+                        call.arg(5, "dilation", 1))
+
+
+def _conv_exchanges(call: OpCall, inputs, mesh_shape, itemsize) -> list:
+    """A spatially sharded convolution's halo, gathered over the mesh dimensions that shard
+    its spatial dimensions."""
+    return halo.exchanges(_conv_geometry(call), call.inputs[0], inputs[0], mesh_shape, itemsize)
+
+
 facts(*_CONV, *_TRANSPOSED, *_GENERIC, flops=_conv_flops, backward_factor=2.0,
-      saves=SAVES_INPUTS, kernel="conv")
+      saves=SAVES_INPUTS, kernel="conv", exchanges=_conv_exchanges)
 
 
 @register(*_CONV, *_TRANSPOSED, *_GENERIC)
@@ -96,26 +123,30 @@ def convolution(call: OpCall) -> list[Rule1D]:
             rules.append(Rule1D((Shard(c), Shard(in_dim)), P))
     elif not transposed and groups == x.shape[c]:  # depthwise: each shard whole groups
         rules.append(Rule1D((Shard(c), Shard(0)) + ((Shard(0),) if bias else ()), Shard(c)))
+    rules += [Rule1D((Shard(d),) + whole[1:], Shard(d)) for d in _conv_geometry(call)]
     return rules + [Rule1D(whole, R)]
 
 
 @lowering(*_CONV, *_GENERIC)
 def lower_convolution(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
-    """A depthwise convolution with its channels sharded runs its local groups."""
+    """A depthwise convolution with its channels sharded runs its local groups; with spatial
+    dimensions sharded, on its shard extended by the halo, unpadded along them."""
     groups = _groups(call)
-    if groups == 1:
-        return call.target, args, kwargs
     shards = math.prod(n for n, p in zip(ctx.mesh_shape, ctx.in_placements[1])
                        if isinstance(p, Shard) and p.dim == 0)
-    if shards == 1:
+    if groups > 1 and shards > 1:
+        slot = _groups_slot(call)
+        args = list(args)
+        if slot < len(args):
+            args[slot] = groups // shards
+        else:
+            kwargs = {**kwargs, "groups": groups // shards}
+        args = tuple(args)
+    windows = halo.sharded(_conv_geometry(call), ctx)
+    if not windows:
         return call.target, args, kwargs
-    slot = _groups_slot(call)
-    args = list(args)
-    if slot < len(args):
-        args[slot] = groups // shards
-    else:
-        kwargs = {**kwargs, "groups": groups // shards}
-    return call.target, tuple(args), kwargs
+    first = 2 if call.inputs[0].ndim == call.inputs[1].ndim else 1
+    return halo.lowered(call.target, args, kwargs, 4, first, windows, ctx, 0.0)
 
 
 # -- pooling and resampling: each (sample, channel) plane alone --------------------------------
@@ -148,17 +179,75 @@ def _window(call: OpCall, in_local, out_local) -> float:
     return float(size) * math.prod(out_local[0])
 
 
-facts(*_SPATIAL, flops=_window, saves=SAVES_INPUTS, saves_output=True)
+_MAX_POOL = (aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default)
+_MEAN_TO_ONE = (aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default,
+                aten._adaptive_avg_pool2d.default, aten.adaptive_avg_pool3d.default,
+                aten._adaptive_avg_pool3d.default)
+
+
+def _pool_geometry(call: OpCall) -> dict[int, halo.Window]:
+    """A max pool's spatial dimensions with one output row per stride input rows, and their
+    halos: max_pool(x, kernel_size, stride, padding, dilation, ceil_mode)."""
+    if call.target not in _MAX_POOL:
+        return {}
+    x = call.inputs[0]
+    return halo.windows(x.shape, call.out_shapes[0], x.ndim - _SPATIAL[call.target],
+                        call.arg(1, "kernel_size"), call.arg(2, "stride", []),
+                        call.arg(3, "padding", 0), call.arg(4, "dilation", 1))
+
+
+def _pool_exchanges(call: OpCall, inputs, mesh_shape, itemsize) -> list:
+    return halo.exchanges(_pool_geometry(call), call.inputs[0], inputs[0], mesh_shape, itemsize)
+
+
+def _to_one(call: OpCall) -> list[int]:
+    """The spatial dimensions an adaptive average pool reduces to one position."""
+    if call.target not in _MEAN_TO_ONE:
+        return []
+    x, out = call.inputs[0], call.out_shapes[0]
+    return [d for d in range(x.ndim - _SPATIAL[call.target], x.ndim) if out[d] == 1]
+
+
+facts(*(op for op in _SPATIAL if op not in _MAX_POOL), flops=_window, saves=SAVES_INPUTS,
+      saves_output=True)
+facts(*_MAX_POOL, flops=_window, saves=SAVES_INPUTS, saves_output=True,
+      exchanges=_pool_exchanges)
 
 
 @register(*_SPATIAL)
 def planewise(call: OpCall) -> list[Rule1D]:
-    """Any dimension before the spatial ones, with the output (and a max pool's indices)."""
+    """Any dimension before the spatial ones, with the output (and a max pool's indices); a
+    max pool's spatial dimensions with their halo; an average pool's dimensions it reduces
+    to one position into a pending sum (each rank's mean of its rows, scaled by its share)."""
     x = call.inputs[0]
     lead = x.ndim - _SPATIAL[call.target]
+    rest = (R,) * (len(call.inputs) - 1)
     rules = []
     for d in range(lead):
         out = (Shard(d), Shard(d)) if call.multi_output else Shard(d)
-        rules.append(Rule1D((Shard(d),) + (R,) * (len(call.inputs) - 1), out))
+        rules.append(Rule1D((Shard(d),) + rest, out))
+    rules += [Rule1D((Shard(d),) + rest, Shard(d)) for d in _pool_geometry(call)]
+    rules += [Rule1D((Shard(d),) + rest, P) for d in _to_one(call)]
     whole = (R, R) if call.multi_output else R
     return rules + [Rule1D((R,) * len(call.inputs), whole)]
+
+
+@lowering(*_MAX_POOL, *_MEAN_TO_ONE)
+def lower_spatial(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
+    """A max pool on its shard extended by the halo (-inf past the edges, as its padding); an
+    average pool over sharded positions: the local mean over the shards' count."""
+    if call.target in _MEAN_TO_ONE:
+        shards = math.prod(n for n, p in zip(ctx.mesh_shape, ctx.in_placements[0])
+                           if isinstance(p, Shard) and p.dim in _to_one(call))
+        if shards == 1:
+            return call.target, args, kwargs
+
+        def partial_mean(*a, **kw):
+            return call.target(*a, **kw) / shards
+
+        return partial_mean, args, kwargs
+    windows = halo.sharded(_pool_geometry(call), ctx)
+    if not windows:
+        return call.target, args, kwargs
+    first = call.inputs[0].ndim - _SPATIAL[call.target]
+    return halo.lowered(call.target, args, kwargs, 3, first, windows, ctx, float("-inf"))
