@@ -30,7 +30,8 @@ from .functionalize import fake_value
 
 aten = torch.ops.aten
 RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-# ops whose input 0 row r alone makes output row r (the other inputs carry no rows)
+# ops whose input 0 row r alone makes output row r (when the other inputs carry no rows:
+# `_per_column`)
 ROW_WISE = {aten.linear.default}
 
 
@@ -56,6 +57,19 @@ def unflatten_row_chains(gm: fx.GraphModule) -> int:
     return done
 
 
+def _per_column(linear: fx.Node) -> bool:
+    """Whether a linear's other inputs carry no rows: a 2-D weight and a bias of one value
+    per output column (or none); a bias of one row per row broadcasts otherwise once the
+    rows are unflattened."""
+    def dims(a) -> int | None:
+        v = a.meta.get("val") if isinstance(a, fx.Node) else None
+        return v.dim() if isinstance(v, torch.Tensor) else None
+
+    weight = linear.args[1] if len(linear.args) > 1 else linear.kwargs.get("weight")
+    bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    return dims(weight) == 2 and (bias is None or dims(bias) in (0, 1))
+
+
 def _chain(node: fx.Node) -> list[fx.Node] | None:
     """The row-wise ops after `node` (a reshape to two dimensions) and the reshape closing
     them, or None when `node` starts no chain this pass rewrites."""
@@ -68,7 +82,8 @@ def _chain(node: fx.Node) -> list[fx.Node] | None:
     while len(last.users) == 1:
         (user,) = last.users
         if user.op == "call_function" and user.target in ROW_WISE and user.args[0] is last \
-                and last not in user.args[1:] and last not in user.kwargs.values():
+                and last not in user.args[1:] and last not in user.kwargs.values() \
+                and _per_column(user):
             chain.append(user)
             last = user
             continue

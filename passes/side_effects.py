@@ -81,10 +81,31 @@ class SideEffectWatch:
         of the model leaves): export puts them back as they were."""
         modules = dict(self.root.named_modules(remove_duplicate=False))
         for (path, name), value in self._left.items():
-            if value is _UNSET:
-                delattr(modules[path], name)
-            else:
-                setattr(modules[path], name, value)
+            _put(modules[path], name, value)
+
+    def replay_onto(self, other: nn.Module, under: str):
+        """Set the same changes on `other`, the module that the watched root's module at path
+        `under` copies (the user's model, which a loss function may read); returns what puts
+        `other` back as it was."""
+        changes = [(other.get_submodule(path[len(under) + 1:]) if path != under else other,
+                    name, value) for (path, name), value in self._left.items()
+                   if path == under or path.startswith(under + ".")]
+        undo = [(target, name, vars(target).get(name, _UNSET)) for target, name, _ in changes]
+        for target, name, value in changes:
+            _put(target, name, value)
+
+        def restore() -> None:
+            for target, name, old in reversed(undo):
+                _put(target, name, old)
+        return restore
+
+    def left_tensors(self) -> bool:
+        """Whether forward left a tensor (or a container holding one) in an attribute it
+        changed: a value the graph keeps as a constant, which its code does not show."""
+        return any(isinstance(v, torch.Tensor) or (
+            isinstance(v, (list, tuple, dict, set, frozenset)) and any(
+                isinstance(t, torch.Tensor) for t in (v.values() if isinstance(v, dict) else v)))
+            for v in self._left.values())
 
     def _pre(self, module, args) -> None:
         self._before = _snapshot(self.root)
@@ -99,6 +120,14 @@ class SideEffectWatch:
                 line = f"{path} {_how(old, new)}"
                 if line not in self._changes:  # forward may run more than once
                     self._changes.append(line)
+
+
+def _put(module: nn.Module, name: str, value: Any) -> None:
+    if value is _UNSET:
+        if name in vars(module):
+            delattr(module, name)
+    else:
+        setattr(module, name, value)
 
 
 def _snapshot(root: nn.Module) -> dict[tuple[str, str], tuple[Any, Any]]:

@@ -449,15 +449,51 @@ def _export(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack 
     left them (`SideEffectWatch.replay`), a second export changes nothing and records the
     same graph. Every call then computes that graph, the first included, and the program
     runs it; anything else (a counter, a list appended to, a value read before it is set)
-    is refused."""
+    is refused, and so is a tensor left in a changed attribute (a constant the graph's code
+    does not show). A loss function reading the user's model reads it with the change made
+    too (`SideEffectWatch.replay_onto`), so a loss reading a changed value traces otherwise
+    and is refused."""
     ep, watch = _export_once(root, args, kwargs, prefix, stack)
     if not watch.changes():
         return ep
+    if watch.left_tensors():
+        check_no_side_effects(watch.changes())
     watch.replay()
-    again, second = _export_once(root, args, kwargs, prefix, stack)
-    if second.changes() or again.graph_module.code != ep.graph_module.code:
+    source = root.source() if isinstance(root, _Step) and root.source is not None else None
+    try:
+        restore = watch.replay_onto(source, "model") if source is not None else None
+    except AttributeError:  # the user's model is not laid out as its traced copy
+        check_no_side_effects(watch.changes())
+    try:
+        again, second = _export_once(root, args, kwargs, prefix, stack)
+    finally:
+        if restore is not None:
+            restore()
+    if second.changes() or again.graph_module.code != ep.graph_module.code or \
+            not _same_constants(ep.constants, again.constants):
         check_no_side_effects(watch.changes())
     return again
+
+
+def _same_constants(a: dict, b: dict) -> bool:
+    """Whether two exports lifted the same constants (names and values)."""
+    if a.keys() != b.keys():
+        return False
+    for k, x in a.items():
+        y = b[k]
+        if x is y:  # (the same tensor lifted twice: a fake one has no values to compare)
+            continue
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            try:
+                if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
+                    return False
+            except Exception:  # noqa: BLE001 - values it cannot compare count as different
+                return False
+        elif x is not y:
+            return False
+    return True
 
 
 def _export_once(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack | None):

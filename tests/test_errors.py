@@ -314,6 +314,50 @@ def test_state_changed_for_good_is_traced_only_where_every_call_computes_alike()
                      (torch.randn(4, 8),))
 
 
+class _ScaleFromShape(nn.Module):
+    """Sets a scale from the input's width once for good, as Swin sets its shift."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = 1.0
+
+    def forward(self, x):
+        self.scale = x.shape[-1] ** -0.5
+        return self.fc(x)
+
+
+class _SwitchedMask(nn.Module):
+    """Multiplies by a mask tensor, then rebinds the mask to another tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.masks = [torch.ones(4), torch.full((4,), 2.0)]
+        self.mask = self.masks[0]
+
+    def forward(self, x):
+        y = self.fc(x) * self.mask
+        self.mask = self.masks[1]
+        return y
+
+
+def test_state_set_for_good_that_the_loss_reads_or_a_constant_holds_is_refused():
+    """A loss function reading the attribute forward sets reads the new value from the first
+    call on (the trace read the old one), and a tensor rebound in forward is a constant the
+    graph's code does not show: both refused, where they trained wrong silently."""
+    mesh = autopar.MeshSpec((2,), hardware="cpu")
+    model = _ScaleFromShape()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(TraceError, match=r"model.scale changed from 1.0 to 0.35"):
+        autopar.plan(model, mesh, (x, y),
+                     loss_fn=lambda out, t: ((out - t) ** 2).mean() * model.scale)
+    assert model.scale == 1.0  # the user's model is left as it was
+    autopar.plan(model, mesh, (x, y), loss_fn=F.mse_loss)  # a loss that does not read it
+    with pytest.raises(TraceError, match=r"model.mask changed from a tensor"):
+        autopar.plan(_SwitchedMask(), mesh, (torch.randn(4, 4),))
+
+
 def test_forward_that_sets_a_cache_attribute():
     class Caching(nn.Module):
         def __init__(self):

@@ -439,3 +439,19 @@ def test_every_rule_is_exercised_beyond_replicate() -> None:
     exercised = {c.sample.op for c in CASES if c.rule is not None and not trivial(c.rule)}
     lacking = sorted(str(op) for op in RULES if op not in exercised)
     assert not lacking, f"ops whose samples exercise only the all-replicate strategy: {lacking}"
+
+
+def test_a_max_pool_of_integers_keeps_its_spatial_dimensions_whole() -> None:
+    """The halo past the edges is -inf, which no integer holds: an integer max pool shards
+    its batch and channels only."""
+    from tests.rule_samples import Sample
+
+    aten = torch.ops.aten
+
+    for dtype, spatial in ((torch.int64, False), (torch.float64, True)):
+        sample = Sample(aten.max_pool2d.default, f"probe_{dtype}", lambda g, dt=dtype: (
+            (g.f(2, 3, 8, 8).to(dt), [3, 3], [2, 2], [1, 1]), {}))
+        _, _, _, call = built(sample)
+        dims = {r.inputs[0].dim for r in RULES[aten.max_pool2d.default](call)
+                if isinstance(r.inputs[0], Shard)}
+        assert (dims >= {2, 3}) == spatial and {0, 1} <= dims, (dtype, dims)

@@ -299,6 +299,28 @@ def test_multihead_attention_keeps_the_samples_apart(need_weights):
     assert not [c for c in plan.collectives if c.phase != "gradient sync"]
 
 
+class _RowBias(torch.nn.Module):
+    """A linear over flattened rows whose bias has a row of its own per row."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(
+            torch.randn(6, 3))
+
+    def forward(self, x):  # (6, 1, 4)
+        return F.linear(x.reshape(6, 4), self.w, self.b).view(6, 1, 3)
+
+
+def test_a_bias_with_rows_keeps_its_flattened_linear():
+    """The rewrite is for linears whose weight and bias carry no rows: a (rows, out) bias
+    would broadcast against the unflattened rows."""
+    from autopar.passes.row_reshape import unflatten_row_chains
+    model, x = _RowBias(), torch.randn(6, 1, 4)
+    gm = torch.export.export(model, (x,), strict=False).graph_module
+    assert unflatten_row_chains(gm) == 0
+    torch.testing.assert_close(gm(model.w, model.b, x)[0], model(x))
+
+
 class _Noised(torch.nn.Module):
     def __init__(self):
         super().__init__()

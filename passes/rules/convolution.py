@@ -188,9 +188,9 @@ _MEAN_TO_ONE = (aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.defau
 def _pool_geometry(call: OpCall) -> dict[int, halo.Window]:
     """A max pool's spatial dimensions with one output row per stride input rows, and their
     halos: max_pool(x, kernel_size, stride, padding, dilation, ceil_mode)."""
-    if call.target not in _MAX_POOL:
-        return {}
     x = call.inputs[0]
+    if call.target not in _MAX_POOL or not x.dtype.is_floating_point:  # (-inf past the edges)
+        return {}
     return halo.windows(x.shape, call.out_shapes[0], x.ndim - _SPATIAL[call.target],
                         call.arg(1, "kernel_size"), call.arg(2, "stride", []),
                         call.arg(3, "padding", 0), call.arg(4, "dilation", 1))
