@@ -100,7 +100,7 @@ def exchanges(geometry: dict[int, Window], x, placements, mesh_shape, itemsize) 
         if isinstance(p, Shard):
             local[p.dim] //= mesh_shape[k]
     out = []
-    for d, w in geometry.items():
+    for d, w in geometry.items():  # in `extend`'s order: a later halo carries the earlier ones
         ks = _mesh_dims(placements, mesh_shape, d)
         rows = _exchanges_rows(w, local[d]) if ks else 0
         if not rows:
@@ -109,6 +109,7 @@ def exchanges(geometry: dict[int, Window], x, placements, mesh_shape, itemsize) 
         for k in reversed(ks):  # innermost first, as `extend` gathers
             nbytes *= mesh_shape[k]
             out.append(("all_gather", k, nbytes))
+        local[d] += w.left + w.right
     return out
 
 
