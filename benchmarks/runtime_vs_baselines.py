@@ -196,7 +196,7 @@ def worker(rank: int, port: int, sizes: dict, batch: int, steps: int, out: dict,
         if only and name not in only:
             continue
         step_fn, params = build()
-        opt = torch.optim.AdamW(params, lr=1e-4)
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=sizes.get("foreach") or None)
 
         def step(step_fn=step_fn, opt=opt):
             opt.zero_grad(set_to_none=True)
@@ -250,6 +250,9 @@ def main() -> None:
     ap.add_argument("--frozen-bn", action="store_true",
                     help="the ResNet's BatchNorm in eval mode (DDP then computes what one "
                          "device does)")
+    ap.add_argument("--foreach", action="store_true",
+                    help="every setup's AdamW with foreach=True (torch's default on CPU is a "
+                         "loop over the parameters, slow over DTensors)")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip the solver's plan on a calibrated profile")
     ap.add_argument("--only", default="",
@@ -259,7 +262,7 @@ def main() -> None:
     only = tuple(n.strip() for n in a.only.split(",") if n.strip())
     sizes = {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "vocab": a.vocab,
              "seq": a.seq, "model": a.model, "width": a.width, "image": a.image,
-             "frozen_bn": a.frozen_bn}
+             "frozen_bn": a.frozen_bn, "foreach": a.foreach}
     with torch.device("meta"):
         n_params = sum(p.numel() for p in build_model(sizes, a.batch)[0].parameters())
     port = free_port()

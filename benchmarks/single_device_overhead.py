@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--model", choices=("gpt", "resnet"), default="gpt")
     ap.add_argument("--width", type=int, default=32, help="the ResNet's first width")
     ap.add_argument("--image", type=int, default=32, help="the ResNet's image size")
+    ap.add_argument("--foreach", action="store_true", help="AdamW with foreach=True (torch's "
+                    "default on CPU loops over the parameters, slow over DTensors)")
     a = ap.parse_args()
     init_gloo(0, 1, free_port(), threads=a.threads)
     mesh = init_device_mesh("cpu", (1,))
@@ -55,8 +57,8 @@ def main() -> None:
         x, y = torch.randn(a.batch, 3, a.image, a.image), torch.randint(0, 10, (a.batch,))
         shape = f"{a.batch}x3x{a.image}x{a.image}"
     pm = autopar.parallelize(copy.deepcopy(plain), mesh, loss_fn=loss_fn, example_inputs=(x, y))
-    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-    opt_ours = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-4, foreach=a.foreach or None)
+    opt_ours = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=a.foreach or None)
 
     def plain_step():
         opt_plain.zero_grad(set_to_none=True)

@@ -53,7 +53,9 @@ def main() -> None:
                                  init_fn=model.model._init_weights)  # Hugging Face's init
     if rank0:
         print(pmodel.plan, flush=True)
-    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.lr, weight_decay=0.1)
+    # foreach: the parameters are DTensors, which torch's default steps one by one
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.lr, weight_decay=0.1,
+                                  foreach=True)
 
     start = 0
     latest = latest_checkpoint(args.checkpoint_dir) if args.resume else None
