@@ -25,6 +25,9 @@ def _check_style(plan: dict, force) -> None:
         elif style == "tensor":
             assert any(p.startswith("S") for n, p in per_dim.items() if n.endswith("weight")), \
                 per_dim
+        elif style in ("zero1", "zero2"):  # parameters replicated, their states sharded
+            assert all(p == "R" for p in per_dim.values()), per_dim
+            assert set(plan["zero"].values()) == {int(style[-1])}, plan["zero"]
     for k, style in enumerate(styles):
         if style in ("data", "fsdp"):  # compute is split (by batch or sequence) on dimension k
             assert any(o["inputs"] and _placements(o["inputs"][0])[k].startswith("S")
@@ -98,7 +101,7 @@ def test_two_by_two(world4, model, force):
 # among the buffers compared): convolutions by batch or by output channels, BatchNorm in
 # training mode by batch with its statistics summed over the ranks (one device's statistics of
 # the whole batch), pooling by batch or channels.
-RESNET = [((4,), None), ((4,), "data"), ((4,), "fsdp"), ((4,), "tensor"),
+RESNET = [((4,), None), ((4,), "data"), ((4,), "fsdp"), ((4,), "zero2"), ((4,), "tensor"),
           ((2, 2), {"dp": "fsdp", "tp": "tensor"})]
 
 
@@ -108,12 +111,12 @@ RESNET = [((4,), None), ((4,), "data"), ((4,), "fsdp"), ((4,), "tensor"),
 def test_resnet(world4, mesh, force):
     plan = world4.run(rank_tasks.train_equivalence, "resnet", mesh, force)[0]
     _check_style(plan, force)
-    if force in ("data", "fsdp"):  # every op of the CNN computes its share of the batch
+    if force in ("data", "fsdp", "zero2"):  # every op computes its share of the batch
         whole = [(o["name"], o["replicated"]) for o in plan["ops"] if o["replicated"]]
         assert not whole, whole
 
 
-@pytest.mark.parametrize("force", [None, "data", "fsdp", "tensor"],
+@pytest.mark.parametrize("force", [None, "data", "fsdp", "zero1", "tensor"],
                          ids=lambda f: f or "solver")
 def test_torch_nn_transformer(world2, force):
     """torch.nn.Transformer (encoder-decoder, causal decoder mask) on 2 ranks: attention
