@@ -134,6 +134,33 @@ def _audio(kind: str, head: str, **fields):
                    torch.zeros(TOKENS, dtype=torch.long, device=META)), _classify
 
 
+def _whisper():
+    """Whisper-base's shape: a log-mel spectrogram (80 x 3000) through two convolutions and
+    the encoder, the decoder over 64 tokens; logits' cross-entropy."""
+    import transformers
+    config = transformers.WhisperConfig(vocab_size=VOCAB, d_model=512, encoder_layers=6,
+                                        decoder_layers=6, encoder_attention_heads=8,
+                                        decoder_attention_heads=8, encoder_ffn_dim=2048,
+                                        decoder_ffn_dim=2048, pad_token_id=0,
+                                        decoder_start_token_id=0, bos_token_id=None,
+                                        eos_token_id=None, use_cache=False)
+    with META:
+        model = transformers.WhisperForConditionalGeneration(config)
+    tokens = torch.zeros(TOKENS, 64, dtype=torch.long, device=META)
+
+    class Wrapped(nn.Module):  # (features) -> logits over the fixed decoder tokens
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+            self.register_buffer("tokens", tokens[:1], persistent=False)
+
+        def forward(self, features):
+            ids = self.tokens.expand(features.shape[0], -1)
+            return self.inner(input_features=features, decoder_input_ids=ids).logits
+
+    return Wrapped(), (torch.empty(TOKENS, 80, 3000, device=META), tokens), _lm
+
+
 _BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
              intermediate_size=3072)
 
@@ -155,6 +182,7 @@ MODELS = {
     "wav2vec2_base": lambda: _audio("Wav2Vec2", "ForSequenceClassification", layerdrop=0.0,
                                     mask_time_prob=0.0,  # SpecAugment draws with numpy
                                     **_BASE),
+    "whisper_base": _whisper,
     "bert_base": lambda: _encoder("Bert", **_BASE),
     "t5_small": lambda: _seq2seq("T5"),
     "bart_base": lambda: _seq2seq("Bart"),
