@@ -155,3 +155,24 @@ def _is_data_dependent_size(kind: str, text: str) -> bool:
         return True
     marker = "Size-like symbols:"
     return marker in text and f"{marker} none" not in text
+
+
+def same_constants(a: dict, b: dict) -> bool:
+    """Whether two exports lifted the same constants (names and values)."""
+    if a.keys() != b.keys():
+        return False
+    for k, x in a.items():
+        y = b[k]
+        if x is y:  # (the same tensor lifted twice: a fake one has no values to compare)
+            continue
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            try:
+                if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
+                    return False
+            except Exception:  # noqa: BLE001 - values it cannot compare count as different
+                return False
+        elif x is not y:
+            return False
+    return True

@@ -41,6 +41,7 @@ from .export_checks import (
     check_scalar_loss,
     check_static_shapes,
     explain_export_failure,
+    same_constants,
 )
 from .forked import Forked, can_fork
 from .functionalize import WriteError, functionalize_activation_writes
@@ -470,30 +471,10 @@ def _export(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack 
         if restore is not None:
             restore()
     if second.changes() or again.graph_module.code != ep.graph_module.code or \
-            not _same_constants(ep.constants, again.constants):
+            not same_constants(ep.constants, again.constants):
         check_no_side_effects(watch.changes())
     return again
 
-
-def _same_constants(a: dict, b: dict) -> bool:
-    """Whether two exports lifted the same constants (names and values)."""
-    if a.keys() != b.keys():
-        return False
-    for k, x in a.items():
-        y = b[k]
-        if x is y:  # (the same tensor lifted twice: a fake one has no values to compare)
-            continue
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            return False
-        if isinstance(x, torch.Tensor):
-            try:
-                if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
-                    return False
-            except Exception:  # noqa: BLE001 - values it cannot compare count as different
-                return False
-        elif x is not y:
-            return False
-    return True
 
 
 def _export_once(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack | None):
