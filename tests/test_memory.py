@@ -244,7 +244,10 @@ def test_min_memory_is_a_lower_bound_the_solver_reaches():
 CASES = [("gpt", (4,), "data"), ("gpt", (4,), "fsdp"), ("gpt", (4,), "tensor"),
          ("gpt", (2, 2), {"dp": "fsdp", "tp": "tensor"}), ("hf_llama", (4,), "tensor"),
          ("hf_llama_lora", (4,), "fsdp"), ("gpt", (4,), "data", "bf16-mixed"),
-         ("gpt", (4,), "fsdp", "bf16-mixed"), ("gpt", (4,), "tensor", "bf16-mixed")]
+         ("gpt", (4,), "fsdp", "bf16-mixed"), ("gpt", (4,), "tensor", "bf16-mixed"),
+         # one image, its rows and columns split (S(2)S(3)): each convolution and max pool
+         # keeps its shard extended by the halo
+         ("resnet_one_image", (2, 2), None)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda s: "-".join(map(str, s)).replace(" ", ""))

@@ -97,8 +97,13 @@ def _conv_exchanges(call: OpCall, inputs, mesh_shape, itemsize) -> list:
     return halo.exchanges(_conv_geometry(call), call.inputs[0], inputs[0], mesh_shape, itemsize)
 
 
+def _conv_halo_saved(call: OpCall, in_local, out_local, itemsize) -> float:
+    return halo.saved_bytes(_conv_geometry(call), call.inputs[0], in_local[0], itemsize)
+
+
 facts(*_CONV, *_TRANSPOSED, *_GENERIC, flops=_conv_flops, backward_factor=2.0,
-      saves=SAVES_INPUTS, kernel="conv", exchanges=_conv_exchanges)
+      saves=SAVES_INPUTS, kernel="conv", exchanges=_conv_exchanges,
+      extra_saved=_conv_halo_saved)
 
 
 @register(*_CONV, *_TRANSPOSED, *_GENERIC)
@@ -210,8 +215,12 @@ def _to_one(call: OpCall) -> list[int]:
 
 facts(*(op for op in _SPATIAL if op not in _MAX_POOL), flops=_window, saves=SAVES_INPUTS,
       saves_output=True)
+def _pool_halo_saved(call: OpCall, in_local, out_local, itemsize) -> float:
+    return halo.saved_bytes(_pool_geometry(call), call.inputs[0], in_local[0], itemsize)
+
+
 facts(*_MAX_POOL, flops=_window, saves=SAVES_INPUTS, saves_output=True,
-      exchanges=_pool_exchanges)
+      exchanges=_pool_exchanges, extra_saved=_pool_halo_saved)
 
 
 @register(*_SPATIAL)

@@ -113,6 +113,19 @@ def exchanges(geometry: dict[int, Window], x, placements, mesh_shape, itemsize) 
     return out
 
 
+def saved_bytes(geometry: dict[int, Window], x, in_local, itemsize) -> float:
+    """Bytes of the extended shard a sliding-window op keeps for its backward (its input,
+    which is no other op's output once extended) where `in_local` (its input's local shape)
+    splits a dimension of `geometry`; 0 where none is split."""
+    local = list(in_local)
+    grown = False
+    for d, w in geometry.items():
+        if local[d] < x.shape[d]:
+            local[d] += w.left + w.right
+            grown = True
+    return math.prod(local) * itemsize(x.dtype) if grown else 0.0
+
+
 def extend(x: torch.Tensor, d: int, w: Window, ks: list[int], ctx: LocalContext,
            fill: float) -> torch.Tensor:
     """This rank's shard `x` of dimension `d` (sharded over mesh dimensions `ks`, outer first)
