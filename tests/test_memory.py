@@ -247,7 +247,9 @@ CASES = [("gpt", (4,), "data"), ("gpt", (4,), "fsdp"), ("gpt", (4,), "tensor"),
          ("gpt", (4,), "fsdp", "bf16-mixed"), ("gpt", (4,), "tensor", "bf16-mixed"),
          # one image, its rows and columns split (S(2)S(3)): each convolution and max pool
          # keeps its shard extended by the halo
-         ("resnet_one_image", (2, 2), None)]
+         ("resnet_one_image", (2, 2), None),
+         # BatchNorm's statistics combined over the batch's ranks, max pools' indices
+         ("resnet", (4,), "data"), ("resnet", (4,), "fsdp")]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda s: "-".join(map(str, s)).replace(" ", ""))

@@ -215,12 +215,16 @@ def _to_one(call: OpCall) -> list[int]:
 
 facts(*(op for op in _SPATIAL if op not in _MAX_POOL), flops=_window, saves=SAVES_INPUTS,
       saves_output=True)
-def _pool_halo_saved(call: OpCall, in_local, out_local, itemsize) -> float:
-    return halo.saved_bytes(_pool_geometry(call), call.inputs[0], in_local[0], itemsize)
+def _pool_saved(call: OpCall, in_local, out_local, itemsize) -> float:
+    """A max pool keeps the int64 indices of its maxima for backward, and with a spatial
+    dimension split, its shard extended by the halo."""
+    indices = math.prod(out_local[0]) * 8
+    return indices + halo.saved_bytes(_pool_geometry(call), call.inputs[0], in_local[0],
+                                      itemsize)
 
 
 facts(*_MAX_POOL, flops=_window, saves=SAVES_INPUTS, saves_output=True,
-      exchanges=_pool_exchanges, extra_saved=_pool_halo_saved)
+      exchanges=_pool_exchanges, extra_saved=_pool_saved)
 
 
 @register(*_SPATIAL)

@@ -66,8 +66,21 @@ def _batch_norm_exchanges(call: OpCall, inputs, mesh_shape, itemsize) -> list:
 facts(aten.group_norm.default, aten.native_group_norm.default,
       aten._native_batch_norm_legit_functional.default, flops_per_element=20.0,
       saves=SAVES_INPUTS, kernel="norm")
+def _batch_norm_saved(call: OpCall, in_local, out_local, itemsize) -> float:
+    """In training mode the per-channel statistics kept for backward: torch's kernel keeps
+    the mean and inverse standard deviation; `sync_batch_norm` (the batch or a spatial
+    dimension split over `shards` ranks) keeps every rank's gathered statistics and the
+    combined mean, variance and scale."""
+    if not call.arg(5, "training", False):
+        return 0.0
+    x = call.inputs[0]
+    size = max(itemsize(x.dtype), 4)  # (statistics in float32 at least)
+    shards = math.prod(g // n for d, (g, n) in enumerate(zip(x.shape, in_local[0])) if d != 1)
+    return (2 if shards == 1 else shards + 3) * x.shape[1] * size
+
+
 facts(aten.batch_norm.default, flops_per_element=20.0, saves=SAVES_INPUTS, kernel="norm",
-      exchanges=_batch_norm_exchanges)
+      exchanges=_batch_norm_exchanges, extra_saved=_batch_norm_saved)
 facts(aten._weight_norm.default, flops_per_element=4.0, saves=SAVES_INPUTS, kernel="norm")
 
 
