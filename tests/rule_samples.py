@@ -521,6 +521,11 @@ add(aten.conv1d.default, "spatial", lambda g: call(g.f(2, 3, 12), g.f(4, 3, 3), 
 add(aten.max_pool2d.default, "spatial_stem", lambda g: call(g.f(2, 3, 12, 12), [3, 3], [2, 2],
                                                             [1, 1]))
 add(aten.max_pool1d.default, "spatial", lambda g: call(g.f(2, 3, 12), [2]))
+add(aten.upsample_nearest2d.vec, "spatial_scale", lambda g: call(g.f(1, 2, 6, 6), None,
+                                                                 [2.0, 3.0]))
+add(aten.upsample_nearest2d.vec, "spatial_size", lambda g: call(g.f(1, 2, 6, 6), [12, 6],
+                                                                None))
+add(aten.upsample_nearest1d.vec, "spatial_uneven", lambda g: call(g.f(1, 2, 6), [9], None))
 add(aten.adaptive_avg_pool2d.default, "spatial_to_one", lambda g: call(g.f(2, 3, 6, 6), [1, 1]))
 add(aten.conv1d.default, "bias", lambda g: call(g.f(6, 6, 9), g.f(6, 6, 3), g.f(6)))
 add(aten.conv1d.padding, "same", lambda g: call(g.f(6, 6, 9), g.f(6, 6, 3), None, [1], "same"))

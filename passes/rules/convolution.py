@@ -20,7 +20,9 @@ their padding. Priced by the halo's bytes (`OpFacts.exchanges`).
 
 Pooling, adaptive pooling and upsampling work on each (sample, channel) plane alone: every
 dimension before the spatial ones may be sharded; a max pool also spatially with its halo,
-and an average pool to one position from each rank's partial mean (a pending sum).
+a nearest upsampling by whole factors spatially without one (each shard of rows makes its
+own block of output rows), and an average pool to one position from each rank's partial
+mean (a pending sum).
 """
 
 from __future__ import annotations
@@ -205,6 +207,23 @@ def _pool_exchanges(call: OpCall, inputs, mesh_shape, itemsize) -> list:
     return halo.exchanges(_pool_geometry(call), call.inputs[0], inputs[0], mesh_shape, itemsize)
 
 
+_NEAREST = (aten.upsample_nearest1d.vec, aten.upsample_nearest2d.vec,
+            aten.upsample_nearest3d.vec)
+
+
+def _repeated_rows(call: OpCall) -> list[int]:
+    """The spatial dimensions a nearest upsampling repeats each input row of a whole number
+    of times: output row i is input row i // s, so each shard of rows makes its own block of
+    output rows (no halo)."""
+    if call.target not in _NEAREST:
+        return []
+    x, out = call.inputs[0], call.out_shapes[0]
+    scales = call.arg(2, "scale_factors", None)
+    dims = range(x.ndim - _SPATIAL[call.target], x.ndim)
+    return [d for k, d in enumerate(dims) if out[d] % x.shape[d] == 0 and
+            (scales is None or float(scales[k]) == out[d] // x.shape[d])]
+
+
 def _to_one(call: OpCall) -> list[int]:
     """The spatial dimensions an adaptive average pool reduces to one position."""
     if call.target not in _MEAN_TO_ONE:
@@ -239,16 +258,29 @@ def planewise(call: OpCall) -> list[Rule1D]:
     for d in range(lead):
         out = (Shard(d), Shard(d)) if call.multi_output else Shard(d)
         rules.append(Rule1D((Shard(d),) + rest, out))
-    rules += [Rule1D((Shard(d),) + rest, Shard(d)) for d in _pool_geometry(call)]
+    rules += [Rule1D((Shard(d),) + rest, Shard(d))
+              for d in [*_pool_geometry(call), *_repeated_rows(call)]]
     rules += [Rule1D((Shard(d),) + rest, P) for d in _to_one(call)]
     whole = (R, R) if call.multi_output else R
     return rules + [Rule1D((R,) * len(call.inputs), whole)]
 
 
-@lowering(*_MAX_POOL, *_MEAN_TO_ONE)
+@lowering(*_MAX_POOL, *_MEAN_TO_ONE, *_NEAREST)
 def lower_spatial(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext):
     """A max pool on its shard extended by the halo (-inf past the edges, as its padding); an
-    average pool over sharded positions: the local mean over the shards' count."""
+    average pool over sharded positions: the local mean over the shards' count; a nearest
+    upsampling to a given size: to the size of this rank's block."""
+    if call.target in _NEAREST:
+        size = call.arg(1, "output_size", None)
+        if size is None:  # by scale factors: the local op scales the local rows alike
+            return call.target, args, kwargs
+        local = list(ctx.local_out_shapes[0][-len(size):])
+        args = list(args)
+        if len(args) > 1:
+            args[1] = local
+        else:
+            kwargs = {**kwargs, "output_size": local}
+        return call.target, tuple(args), kwargs
     if call.target in _MEAN_TO_ONE:
         shards = math.prod(n for n, p in zip(ctx.mesh_shape, ctx.in_placements[0])
                            if isinstance(p, Shard) and p.dim in _to_one(call))
