@@ -243,7 +243,7 @@ def hf_model(config: dict, name: str = "the config"):
 
     from .zoo import import_transformers
 
-    transformers = import_transformers(f"{name}")
+    transformers = import_transformers(name)
     AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
     d = dict(config)
     if "model_type" not in d:

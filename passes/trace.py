@@ -476,7 +476,6 @@ def _export(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack 
     return again
 
 
-
 def _export_once(root: nn.Module, args, kwargs, prefix: str, stack: layer_fold.Stack | None):
     """(the export of `root`, the SideEffectWatch that watched it): see `_export`."""
     restore = layer_fold.cut(root, stack) if stack is not None else None

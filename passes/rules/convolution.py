@@ -81,14 +81,19 @@ def _conv_flops(call: OpCall, in_local, out_local) -> float:
     return 2.0 * math.prod(out_local[0]) * weight[1] * kernel
 
 
+def _first_spatial(call: OpCall) -> int:
+    """A convolution input's first spatial dimension: (N, C, *spatial) against the weight's
+    (C_out, C_in/g, *kernel), or unbatched (C, *spatial)."""
+    return 2 if call.inputs[0].ndim == call.inputs[1].ndim else 1
+
+
 def _conv_geometry(call: OpCall) -> dict[int, halo.Window]:
     """The spatial dimensions of a (non-transposed, numerically padded) convolution whose
     output has one row per stride input rows, each with its window (`halo.Window`)."""
     if _transposed(call) or call.target not in (*_CONV[:3], *_GENERIC):
         return {}
     x, w = call.inputs[0], call.inputs[1]
-    first = 2 if x.ndim == w.ndim else 1  # the first spatial dimension of the input
-    return halo.windows(x.shape, call.out_shapes[0], first, list(w.shape[2:]),
+    return halo.windows(x.shape, call.out_shapes[0], _first_spatial(call), list(w.shape[2:]),
                         call.arg(3, "stride", 1), call.arg(4, "padding", 0),
                         call.arg(5, "dilation", 1))
 
@@ -152,8 +157,7 @@ def lower_convolution(call: OpCall, args: tuple, kwargs: dict, ctx: LocalContext
     windows = halo.sharded(_conv_geometry(call), ctx)
     if not windows:
         return call.target, args, kwargs
-    first = 2 if call.inputs[0].ndim == call.inputs[1].ndim else 1
-    return halo.lowered(call.target, args, kwargs, 4, first, windows, ctx, 0.0)
+    return halo.lowered(call.target, args, kwargs, 4, _first_spatial(call), windows, ctx, 0.0)
 
 
 # -- pooling and resampling: each (sample, channel) plane alone --------------------------------
@@ -232,8 +236,6 @@ def _to_one(call: OpCall) -> list[int]:
     return [d for d in range(x.ndim - _SPATIAL[call.target], x.ndim) if out[d] == 1]
 
 
-facts(*(op for op in _SPATIAL if op not in _MAX_POOL), flops=_window, saves=SAVES_INPUTS,
-      saves_output=True)
 def _pool_saved(call: OpCall, in_local, out_local, itemsize) -> float:
     """A max pool keeps the int64 indices of its maxima for backward, and with a spatial
     dimension split, its shard extended by the halo."""
@@ -242,6 +244,8 @@ def _pool_saved(call: OpCall, in_local, out_local, itemsize) -> float:
                                       itemsize)
 
 
+facts(*(op for op in _SPATIAL if op not in _MAX_POOL), flops=_window, saves=SAVES_INPUTS,
+      saves_output=True)
 facts(*_MAX_POOL, flops=_window, saves=SAVES_INPUTS, saves_output=True,
       exchanges=_pool_exchanges, extra_saved=_pool_saved)
 

@@ -63,9 +63,6 @@ def _batch_norm_exchanges(call: OpCall, inputs, mesh_shape, itemsize) -> list:
             for k in _statistics_dims(inputs[0], mesh_shape)]
 
 
-facts(aten.group_norm.default, aten.native_group_norm.default,
-      aten._native_batch_norm_legit_functional.default, flops_per_element=20.0,
-      saves=SAVES_INPUTS, kernel="norm")
 def _batch_norm_saved(call: OpCall, in_local, out_local, itemsize) -> float:
     """In training mode the per-channel statistics kept for backward: torch's kernel keeps
     the mean and inverse standard deviation; `sync_batch_norm` (the batch or a spatial
@@ -79,6 +76,9 @@ def _batch_norm_saved(call: OpCall, in_local, out_local, itemsize) -> float:
     return (2 if shards == 1 else shards + 3) * x.shape[1] * size
 
 
+facts(aten.group_norm.default, aten.native_group_norm.default,
+      aten._native_batch_norm_legit_functional.default, flops_per_element=20.0,
+      saves=SAVES_INPUTS, kernel="norm")
 facts(aten.batch_norm.default, flops_per_element=20.0, saves=SAVES_INPUTS, kernel="norm",
       exchanges=_batch_norm_exchanges, extra_saved=_batch_norm_saved)
 facts(aten._weight_norm.default, flops_per_element=4.0, saves=SAVES_INPUTS, kernel="norm")
