@@ -253,7 +253,8 @@ def _stage_cost(at: _Setting, program: TracedProgram, graph: StrategyGraph,
     # a stage's program gathers its FSDP parameters in buckets of its own, prefetched within
     # the stage (passes/rewrite.py `stage_of`): priced beside compute, as without stages
     cost = cost_model(at.sub, graph, at.options, microbatches=microbatches)
-    cost = cost.copy(recompute=recompute_plan(
+    # (each parameter is cast to the compute dtype once a step: runtime/pipeline.py StepCasts)
+    cost = cost.copy(cast_once=True, recompute=recompute_plan(
         program, graph, at.recompute,
         keep_user=at.options.recompute != "none"))
     return measured(cost, graph, at.profile)
@@ -278,7 +279,7 @@ def _cut(trace_at, program: TracedProgram, batch: int, microbatches: int | None,
                               backend=at.backend, time_limit=options.time_limit)
         best = choose(priced, at.p, batch, batch // m0, at.budget, microbatches=microbatches,
                       schedule=options.schedule, virtual_stages=options.virtual_stages,
-                      overlap=cost.overlap)
+                      overlap=cost.overlap, split_by=at.sub.shape)
     if best.microbatches != m0:
         program = trace_at(best.microbatches)
         graph = strat_pass.build(program, at.sub.shape, zero=True)

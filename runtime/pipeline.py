@@ -83,16 +83,42 @@ class SubmeshComm(MeshComm):
                                                                       mesh_dim)
 
 
+class StepCasts:
+    """Mixed precision in a pipeline: each parameter cast to the compute dtype once a call
+    (a step's schedule, or an inference), the copy every microbatch of the call uses. A
+    microbatch's backward casts its gradient back through the shared copy, so the gradients
+    add up in the master dtype as when each microbatch casts its own; but one copy is held
+    where the schedule keeps several microbatches in flight, not one per microbatch (the
+    planner prices it so: solver/cost.py `cast_once`)."""
+
+    def __init__(self, dtype: torch.dtype | None):
+        self.dtype = dtype
+        self._copies: dict[int, torch.Tensor] = {}
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` as the program takes it: its cast, made at its first use in the call."""
+        if self.dtype is None or not weight.is_floating_point() or weight.dtype == self.dtype:
+            return weight
+        got = self._copies.get(id(weight))
+        if got is None:
+            got = self._copies[id(weight)] = weight.to(self.dtype)
+        return got
+
+    def clear(self) -> None:
+        """After a call: its copies are freed (the optimizer steps the masters next)."""
+        self._copies.clear()
+
+
 class _StageModule(nn.Module):
     """One stage's program with its parameters and constants: forward(*received, **inputs),
     where `inputs` holds every user input of the microbatch by placeholder name."""
 
     def __init__(self, program: StageProgram, params: dict[str, nn.Parameter],
                  constants: dict[str, torch.Tensor], scalar_output: bool, sink=None,
-                 compute_dtype: torch.dtype | None = None, before=None):
+                 casts: StepCasts | None = None, before=None):
         super().__init__()
         self._before = before  # called with the stage's index before each microbatch
-        self._dtype = compute_dtype  # mixed precision: weights cast to it for the program
+        self._casts = casts  # mixed precision: weights cast once a call for the program
         self.program = program.module
         self.weights = nn.ParameterList([params[n] for n in program.params])
         self._constants = [constants[n] for n in program.constants]
@@ -107,8 +133,8 @@ class _StageModule(nn.Module):
             self._before(self._index)
         if self._first:  # the first stage's positional arguments are the model inputs
             received = ()
-        weights = [w.to(self._dtype) if self._dtype is not None and w.is_floating_point()
-                   else w for w in self.weights]
+        weights = [self._casts.of(w) for w in self.weights] if self._casts is not None \
+            else list(self.weights)
         out = self.program(*received, *[inputs[n] for n in self._inputs], *weights,
                            *self._constants)
         if self._sink is not None:  # pipelined inference: keep the outputs of the microbatch
@@ -223,7 +249,7 @@ class PipelineModule:
         """`stages` are the plan's program (the build's) cut into stages; `store` holds this
         rank's shards of the parameters its stages use (see `stage_parameters`)."""
         pipe = plan.pipeline
-        self._compute_dtype = model.compute_dtype
+        self._casts = StepCasts(model.compute_dtype)
         self.plan = plan
         self._pipe = pipe
         self._comm = rank.comm
@@ -331,7 +357,7 @@ class PipelineModule:
         last = program.index == num_stages - 1
         sink = self._sink if last and not train else None
         module = _StageModule(program, params, constants, last and train, sink,
-                              self._compute_dtype, self._before_microbatch)
+                              self._casts, self._before_microbatch)
         inputs = root if program.index == 0 else tuple(m.empty() for m in program.received)
         outputs = tuple(m.empty() for m in program.sent)
         if last and train:
@@ -378,6 +404,7 @@ class PipelineModule:
             set_generator_state(self._device, self._end)
         self._starts = None
         STREAM.end()
+        self._casts.clear()
 
     # -- running -------------------------------------------------------------------------------
     def check(self, inputs: tuple) -> str | None:

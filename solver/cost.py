@@ -112,7 +112,8 @@ class CostModel(ComputePrices, CommPrices):
                  measured: Mapping[str, tuple[float, float]] | None = None,
                  activation_factor: float = 1.0, recompute: Recompute | None = None,
                  reshard: frozenset[str] = frozenset(), accumulation: int = 1,
-                 info: dict[str, mem.NodeInfo] | None = None, randomness: str = "eager"):
+                 info: dict[str, mem.NodeInfo] | None = None, randomness: str = "eager",
+                 cast_once: bool = False):
         self.mesh = mesh
         self.bucket_bytes = bucket_bytes
         self.hw = mesh.profile
@@ -137,6 +138,9 @@ class CostModel(ComputePrices, CommPrices):
         # how random ops draw: "eager" (the whole tensor on every rank) or "counter" (the
         # rank's block: passes/rules/random.py)
         self.randomness = randomness
+        # mixed precision: each parameter cast to the compute dtype once a step, the copy its
+        # microbatches share (pipeline stages, runtime/pipeline.py), rather than once a run
+        self.cast_once = cast_once
         self._reshard = lru_cache(maxsize=None)(self._reshard_uncached)
         self._node_kinds: dict[int, tuple[SNode, OpKinds]] = {}  # by node (see `_kinds`)
         self._edge_share: float | None = None
@@ -144,14 +148,14 @@ class CostModel(ComputePrices, CommPrices):
     def copy(self, **changes) -> CostModel:
         """The same model with some settings changed (mesh, optimizer, bucket_bytes, graph,
         precision, measured, activation_factor, recompute, reshard, accumulation,
-        randomness). On the
+        randomness, cast_once). On the
         same mesh, graph and precision it shares this model's resharding prices (they
         depend on nothing else): the levels of a memory search price the same reshardings."""
         kw = dict(mesh=self.mesh, optimizer=self.optimizer, bucket_bytes=self.bucket_bytes,
                   graph=self.graph, precision=self.precision, measured=self.measured,
                   activation_factor=self.activation_factor, recompute=self.recompute,
                   reshard=self.reshard, accumulation=self.accumulation,
-                  randomness=self.randomness)
+                  randomness=self.randomness, cast_once=self.cast_once)
         kw.update(changes)
         if kw["graph"] is self.graph:
             kw["info"] = self.info  # the same graph's analysis (0.07 s on Llama-3 70B)

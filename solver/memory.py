@@ -85,6 +85,7 @@ class Prices(Protocol):
     accumulation: int      # microbatches a step accumulates gradients over
     randomness: str        # how random ops draw: "eager" or "counter" (passes/rules/random.py)
     activation_factor: float  # microbatches in flight (pipeline stages)
+    cast_once: bool        # mixed precision: a parameter's cast made once a step (see cost.py)
 
     def dtype(self, dtype: torch.dtype) -> torch.dtype: ...
     def leaf_dtype(self, node: SNode) -> torch.dtype: ...
@@ -465,9 +466,11 @@ def _moved(shape: tuple[int, ...], src, dst, mesh_shape: tuple[int, ...]):
 
 def _cast_for_compute(cost: Prices, node: SNode, dtype: torch.dtype) -> bool:
     """Under mixed precision a floating-point parameter is used as its cast to the compute
-    dtype, a tensor of its own (what autograd keeps, when it keeps the parameter)."""
+    dtype, a tensor of its own (what autograd keeps, when it keeps the parameter), made for
+    each run; where the step casts once (`cast_once`) the copy is priced with the parameter
+    (`parameter_bytes`), not where it is kept."""
     return node.kind == PARAM and cost.precision.master is not None and \
-        dtype.is_floating_point
+        dtype.is_floating_point and not cost.cast_once
 
 
 def parameter_bytes(cost: Prices, node: SNode, storage, zero: int = 0) -> dict[str, float]:
@@ -480,8 +483,8 @@ def parameter_bytes(cost: Prices, node: SNode, storage, zero: int = 0) -> dict[s
     Under mixed precision (FSDP2's MixedPrecisionPolicy(param_dtype=compute,
     reduce_dtype=master)) the stored parameter is the master copy (float32, what the optimizer
     steps; its cast to the compute dtype is priced where autograd keeps it:
-    `edge_saved_bytes`); the gradient is in the master dtype (reduced in it), and so is the
-    optimizer's state."""
+    `edge_saved_bytes`, or here, once, where a step casts once: `cast_once`); the gradient is
+    in the master dtype (reduced in it), and so is the optimizer's state."""
     local = math.prod(local_shape(node.out_shapes[0], storage, cost.shape))
     shard = local
     if zero:
@@ -493,7 +496,10 @@ def parameter_bytes(cost: Prices, node: SNode, storage, zero: int = 0) -> dict[s
         return {"parameters": float(local * cost.dtype(node.out_dtypes[0]).itemsize),
                 "gradients": 0.0, "optimizer": 0.0}
     size, opt = cost.leaf_dtype(node).itemsize, cost.optimizer  # the master, if any
-    return {"parameters": float(local * size), "gradients": float(grad * size),
+    cast = cost.dtype(node.out_dtypes[0]).itemsize \
+        if cost.cast_once and cost.precision.master is not None and \
+        node.out_dtypes[0].is_floating_point else 0
+    return {"parameters": float(local * (size + cast)), "gradients": float(grad * size),
             "optimizer": float(shard * size * opt.states + opt.scalar_bytes)}
 
 

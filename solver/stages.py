@@ -364,11 +364,14 @@ def too_few_blocks(blocks: list[Block], num_stages: int, p: int, v: int) -> str:
 def choose(blocks: list[Block], p: int, batch: int, traced_batch: int,
            memory_budget: float | None, *, microbatches: int | None = None,
            schedule: str | tuple[str, ...] | None = None, virtual_stages: int | None = None,
-           time_limit: float = 1.0, max_microbatches: int = 64,
-           max_virtual_stages: int = 4, overlap: bool = False) -> StageSolution:
+           time_limit: float = 1.0, max_microbatches: int = 128,
+           max_virtual_stages: int = 4, overlap: bool = False,
+           split_by: tuple[int, ...] = ()) -> StageSolution:
     """The best (schedule, microbatch count, virtual stages, cuts) over the candidates the
     options leave open: every schedule (or those named); microbatch counts that divide the
-    batch (up to `max_microbatches`); 2 .. `max_virtual_stages` virtual stages for
+    batch (up to `max_microbatches`) into microbatches each stage mesh dimension (of sizes
+    `split_by`) can still shard where it can shard the batch (`microbatch_counts`);
+    2 .. `max_virtual_stages` virtual stages for
     interleaved. Candidates are solved in order of a lower bound on their step time (perfectly
     balanced stages, free sends) and skipped once the bound cannot beat the best found. Ties go
     to less memory, then to the earlier candidate (1F1B before GPipe before interleaved, fewer
@@ -380,7 +383,8 @@ def choose(blocks: list[Block], p: int, batch: int, traced_batch: int,
         raise StageError(f"the batch of {batch} does not split into {microbatches} "
                          f"microbatches; choose a divisor of {batch} ("
                          + ", ".join(str(d) for d in divisors(batch, batch)) + ")")
-    ms = [microbatches] if microbatches else divisors(batch, max_microbatches)
+    ms = [microbatches] if microbatches else \
+        microbatch_counts(batch, max_microbatches, split_by)
     schedules = [schedule] if isinstance(schedule, str) else list(schedule or SCHEDULES)
     candidates: list[tuple[str, int, int]] = []
     reasons = []
@@ -446,6 +450,17 @@ def no_fit(blocks: list[Block], memory_budget: float | None, p: int) -> str:
             f"needs {(big.param_bytes + big.act_bytes) / 2**30:.2f} GiB). The graph cannot "
             "be cut inside a block: use more pp ranks, shard more on the other mesh "
             "dimensions, or a smaller batch.")
+
+
+def microbatch_counts(batch: int, limit: int, split_by: tuple[int, ...]) -> list[int]:
+    """The microbatch counts (up to `limit`) that divide `batch` into microbatches each mesh
+    dimension of `split_by`'s sizes still divides where it divides the batch.
+
+    The blocks are priced at the whole batch, where a mesh dimension dividing it shards the
+    samples; a microbatch it no longer divides (2304 samples over dp 24 in 64 microbatches of
+    36) falls back to sharding something else, at a price the cut never saw."""
+    keep = [n for n in split_by if n > 1 and batch % n == 0]
+    return [m for m in divisors(batch, limit) if all((batch // m) % n == 0 for n in keep)]
 
 
 def divisors(n: int, limit: int) -> list[int]:

@@ -264,3 +264,40 @@ def mixed_precision_errors(shape: tuple[int, ...], names: tuple[str, ...], **opt
     return {"loss": abs(float(loss - ref_loss)) / abs(float(ref_loss)),
             "gradient": max(rank_tasks.relative_error(grads[n], p.grad)
                             for n, p in ref.master.named_parameters())}
+
+
+def cast_copies_kept(shape: tuple[int, ...], names: tuple[str, ...], **options) -> dict:
+    """bf16-mixed pipelined training of the GPT: for each parameter, how many distinct casts
+    of it to bfloat16 autograd keeps over a step (a saved tensor whose autograd history
+    reaches the parameter's leaf through a dtype cast and views only), and the most
+    microbatches this rank holds at once."""
+    model, loss_fn, (x, y) = rank_tasks.build("gpt")
+    pm = autopar.parallelize(model, mesh_for(shape, names), loss_fn=loss_fn,
+                             example_inputs=(x, y), precision="bf16-mixed", **options)
+    leaves = {id(p) for p in pm.parameters()}
+    casts: dict[int, set[int]] = {}
+
+    def cast_of(fn):  # the cast node a saved tensor's history starts with, through views
+        while fn is not None and type(fn).__name__ != "ToCopyBackward0":
+            nexts = [f for f, _ in fn.next_functions if f is not None]
+            if len(nexts) != 1 or not type(fn).__name__.endswith(
+                    ("TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
+                     "ExpandBackward0", "UnsqueezeBackward0", "SliceBackward0",
+                     "AliasBackward0")):
+                return None
+            fn = nexts[0]
+        return fn
+
+    def pack(t):
+        fn = cast_of(t.grad_fn) if t.dtype == torch.bfloat16 else None
+        if fn is not None:
+            leaf = fn.next_functions[0][0]
+            var = getattr(leaf, "variable", None)
+            if var is not None and id(var) in leaves:
+                casts.setdefault(id(var), set()).add(id(fn))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pm.step(x, y)
+    return {"copies": sorted({len(c) for c in casts.values()}),
+            "microbatches": pm.plan.pipeline.microbatches}

@@ -45,3 +45,12 @@ def test_bf16_mixed_pipeline(world2):
     for errors in world2.run(pipeline_tasks.mixed_precision_errors, (2,), ("pp",),
                              microbatches=2):
         assert errors["loss"] < 1e-3 and errors["gradient"] < 0.04, errors
+
+
+def test_a_pipeline_casts_each_weight_once_a_step(world2):
+    """GPipe holds all 4 microbatches in flight: they share one bfloat16 copy of each weight
+    (runtime/pipeline.py StepCasts), as the planner prices it, not one copy each."""
+    from tests import pipeline_tasks
+    for got in world2.run(pipeline_tasks.cast_copies_kept, (2,), ("pp",), microbatches=4,
+                          schedule="gpipe"):
+        assert got == {"copies": [1], "microbatches": 4}, got
