@@ -73,11 +73,12 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
                beat: float | None = None) -> tuple[Plan, StrategyGraph]:
     """Build strategies, solve the ILP and describe the result.
 
-    With a finite `beat` (seconds of a whole step: the fastest plan a search found so far),
-    the ILP's linear relaxation is solved first (solver/ilp.py `relaxed_bound`): when no
-    plan of this level can step LEVEL_GAP faster than `beat` it raises Outpaced, and when
-    not even the relaxation fits the budget, NoFeasiblePlan (unless `diagnose`, which
-    solves the ILP to say why), without the integer solves.
+    With `beat` (seconds of a whole step: the fastest plan a search found so far; infinite
+    where none is found yet but memory is known to bind), the ILP's linear relaxation is
+    solved first (solver/ilp.py `relaxed_bound`): when no plan of this level can step
+    LEVEL_GAP faster than `beat` it raises Outpaced, and when not even the relaxation fits
+    the budget, NoFeasiblePlan (unless `diagnose`, which solves the ILP to say why), without
+    the integer solves.
 
     With `unbounded` only the plan the ILP chooses without the memory budget is tried
     (solver/ilp.py `solve`'s `unbounded_only`): a search step skipped when memory binds.
@@ -120,8 +121,8 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
            f"{sum(len(v.strategies) for v in graph.nodes.values())} candidate strategies, "
            f"{len(set(clusters.owner.values()))} decisions ({options.solver}, at most "
            f"{options.time_limit:g} s)")
-    # (a level's relaxation once a plan is found: penalties are no seconds of a step)
-    relax = beat is not None and beat < float("inf") and not discouraged
+    # (a level's relaxation, with `beat` given: penalties are no seconds of a step)
+    relax = beat is not None and not discouraged
     level = _Level(graph, cost, budget, forced, discouraged, clusters, options,
                    priced_problem(graph, cost, clusters, forced, discouraged, relaxation=relax))
     if relax:
@@ -459,8 +460,10 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
                 m * level_floor(program, mesh, options, level) * (1 + LEVEL_GAP) \
                 >= min(f[0].cost.step_time for f in found):
             continue  # no plan recomputing this much can beat one that fits already
-        # A budgeted level first solves its relaxation: no faster than a plan found (by
-        # LEVEL_GAP), or not fitting at all, and its integer solves are skipped.
+        # A level after the first, or any once a plan is found, first solves its
+        # relaxation: no faster than a plan found (by LEVEL_GAP), or not fitting at all
+        # (Llama-3 70B on (8, 8): no recomputation and selective, 0.4 s each where their
+        # integer solves took 1-1.8 s to say so), and its integer solves are skipped.
         best = min((f[0].cost.step_time for f in found), default=float("inf"))
         try:
             # When the fastest plan keeping every parameter gathered does not fit, freeing
@@ -472,7 +475,7 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
                                      levels[1][1], diagnose=i == len(levels) - 1,
                                      bounds=bounds if i == 0 else None,
                                      fastest=unbudgeted,
-                                     beat=best if i else None)
+                                     beat=best if i or found else None)
         except Outpaced:
             continue
         except NoFeasiblePlan as e:
