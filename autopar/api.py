@@ -88,16 +88,16 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs=(), loss_fn=
     pipeline_trace = pipeline_tracer(model, example_inputs, loss_fn, device, dtype=dtype,
                                      source=source)
 
-    def plan_on(spec: MeshSpec) -> Plan:
+    def plan_on(spec: MeshSpec, beat: float | None = None) -> Plan:
         if spec.pipeline_dim is not None:
             return solve_pipeline_plan(pipeline_trace, batch_size(example_inputs), spec,
-                                       options)
+                                       options, beat=beat)
         _no_pipeline_options(options)
         return solve_accumulated(trace_at, batch_of(call), spec, options)[0]
 
-    def plan_step(spec: MeshSpec, rounds):  # a mesh search's step: one microbatch count
+    def plan_step(spec: MeshSpec, rounds, beat):  # a mesh search's step: one microbatch count
         if spec.pipeline_dim is not None:
-            return plan_on(spec), None
+            return plan_on(spec, beat), None
         _no_pipeline_options(options)
         rounds = plan_round(trace_at, spec, options,
                             rounds or start_rounds(batch_of(call), options))
@@ -105,6 +105,8 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs=(), loss_fn=
 
     if isinstance(mesh, Cluster):
         trace_at(1)  # before the search forks its workers: they share this trace
+        if mesh.pipeline:  # and the pipelined candidates' (every layer traced)
+            pipeline_trace(options.microbatches or 1)
         return search_mesh(mesh, plan_step, options)
     if not isinstance(mesh, MeshSpec):
         mesh = MeshSpec.from_device_mesh(mesh)

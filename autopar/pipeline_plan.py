@@ -35,7 +35,7 @@ from autopar.passes.styles import STYLES, allowed_strategies
 from autopar.passes.trace import TracedProgram
 from autopar.solver.assignments import random_choice
 from autopar.solver.cost import CostModel
-from autopar.solver.ilp import NoFeasiblePlan
+from autopar.solver.ilp import NoFeasiblePlan, Outpaced
 from autopar.solver.stage_pricing import (
     activation_scaled,
     price,
@@ -133,8 +133,8 @@ class _Cut:
 
 @planning
 def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
-                        options: PlanOptions | None = None, running: Plan | None = None
-                        ) -> Plan:
+                        options: PlanOptions | None = None, running: Plan | None = None,
+                        beat: float | None = None) -> Plan:
     """Plan a model over a mesh with a "pp" dimension: cut it into pipeline stages
     (solver/stages.py), then solve each stage's intra-op ILP on the other dimensions, identical
     stages once, each stage's inputs fixed to the placements the previous stage produces.
@@ -146,8 +146,16 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
     modules' modes, eval between training steps, or at another batch size) is planned on
     `running`'s stages and schedule, over `options.microbatches` (else `running`'s), its
     parameters stored where `running` stores them.
+
+    With `beat` (seconds: a mesh search's fastest plan on another mesh), Outpaced when not
+    even the relaxed pipeline (`relaxed_step`) steps faster, before any stage is solved.
     """
     options = options or PlanOptions()
+    if beat is not None and running is None:
+        floor = relaxed_step(trace_at, batch, mesh, options)
+        if floor >= beat:
+            raise Outpaced(f"not even its relaxed pipeline steps under {floor:.4g} s, where "
+                           f"another mesh's plan steps in {beat:.4g} s")
     plan, graph = _recomputing(trace_at, batch, mesh, options, running)
     if options.randomness != "auto" or running is not None or \
             not eager_could_fit(plan, graph, mesh, options):
@@ -260,23 +268,48 @@ def _stage_cost(at: _Setting, program: TracedProgram, graph: StrategyGraph,
     return measured(cost, graph, at.profile)
 
 
+def relaxed_step(trace_at, batch: int, mesh: MeshSpec, options: PlanOptions) -> float:
+    """Seconds below which no pipelined plan of the model on `mesh` steps, nearly: the
+    stage cut's objective (solver/stages.py `choose`) over layer blocks each priced at its
+    fastest intra-op plan (no recomputation, no memory budget: what makes a plan fit only
+    costs time), at the batch traced whole and scaled to each microbatch (a smaller one is
+    no more efficient), gradient synchronization left out. (Each block is solved alone,
+    its inputs where it likes them: the stages' ILPs keep the placements the stage before
+    produces, which can only cost more.)"""
+    m0 = options.microbatches or 1
+    at = _setting(mesh, options, batch, options.microbatches, "none")
+    graph, cost, blocks, priced = _priced_blocks(trace_at(m0), at, m0)
+    return choose(priced, at.p, batch, batch // m0, None, microbatches=options.microbatches,
+                  schedule=options.schedule, virtual_stages=options.virtual_stages,
+                  overlap=cost.overlap, split_by=at.sub.shape).objective
+
+
+def _priced_blocks(program: TracedProgram, at: _Setting, m0: int) -> tuple:
+    """(strategy graph, cost model, layer blocks, the blocks priced for the stage cut) of
+    `program`, traced at one of `m0` microbatches, on the stage mesh."""
+    graph = strat_pass.build(program, at.sub.shape, zero=True)
+    cost = _stage_cost(at, program, graph, m0)
+    blocks = planned_blocks(program, graph)
+    priced = price_blocks(graph, cost, blocks.of_node, blocks.names, at.link,
+                          backend=at.backend, time_limit=at.options.time_limit)
+    return graph, cost, blocks, priced
+
+
 def _cut(trace_at, program: TracedProgram, batch: int, microbatches: int | None,
          at: _Setting, kept: PipelinePlan | None) -> _Cut:
     """Price the layer blocks of `program` (traced at `microbatches`, or the whole batch)
     and cut them into stages for the fastest schedule, or as the running pipeline `kept`
     does; traced again at the microbatch count chosen."""
     m0 = microbatches or 1
-    graph = strat_pass.build(program, at.sub.shape, zero=True)
-    cost = _stage_cost(at, program, graph, m0)
     if kept is not None:
+        graph = strat_pass.build(program, at.sub.shape, zero=True)
+        cost = _stage_cost(at, program, graph, m0)
         blocks = planned_blocks(program, graph, kept.blocks, "in these modes")
         best = StageSolution(kept.schedule, microbatches, kept.virtual_stages,
                              list(kept.cuts), 0.0, [], [], [])
     else:
-        blocks = planned_blocks(program, graph)
+        graph, cost, blocks, priced = _priced_blocks(program, at, m0)
         options = at.options
-        priced = price_blocks(graph, cost, blocks.of_node, blocks.names, at.link,
-                              backend=at.backend, time_limit=options.time_limit)
         best = choose(priced, at.p, batch, batch // m0, at.budget, microbatches=microbatches,
                       schedule=options.schedule, virtual_stages=options.virtual_stages,
                       overlap=cost.overlap, split_by=at.sub.shape)

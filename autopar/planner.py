@@ -32,7 +32,7 @@ from autopar.solver.alternatives import alternatives, compact
 from autopar.solver.assignments import random_choice
 from autopar.solver.cost import CostModel
 from autopar.solver.diagnose import infeasible
-from autopar.solver.ilp import NoFeasiblePlan, relaxed_bound, solve
+from autopar.solver.ilp import NoFeasiblePlan, Outpaced, relaxed_bound, solve
 from autopar.solver.memory import exact_memory, node_infos
 from autopar.solver.owner_problem import priced_problem
 from autopar.solver.plan_prices import compute_floor
@@ -246,11 +246,6 @@ def _check_fits(plan: Plan, budget: float, options: PlanOptions) -> None:
             f"{plan.cost.peak_memory / 2**30:.3f} GiB per device for a budget of "
             f"{budget / 2**30:.3f} GiB (numerical trouble in the solver); this is a bug in "
             "autopar: please report it with the model's shapes and the mesh")
-
-
-class Outpaced(Exception):
-    """A level of the memory search none of whose plans can step faster than a plan found
-    already (`solve_plan`'s `beat`)."""
 
 
 def priced_level(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,

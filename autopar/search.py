@@ -19,6 +19,11 @@ planned in steps (one microbatch count each, autopar/planner.py `plan_round`): a
 back where the candidate stands and its next step joins the queue, so the steps of a long
 candidate spread over the workers. Ties are broken in candidate order whatever finished
 first, so the result does not depend on the workers.
+
+Pipelined candidates are planned after the others, each first bounded by its relaxed
+pipeline (autopar/pipeline_plan.py `relaxed_step`: layer blocks at their fastest, no memory
+budget): one that cannot step faster than the fastest plan without stages is not planned
+further (its row says so), which spares the stage solves of most of them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
-from autopar.solver.ilp import NoFeasiblePlan
+from autopar.solver.ilp import NoFeasiblePlan, Outpaced
 from autopar.solver.stages import StageError
 
 from .hardware import HardwareProfile, get_profile
@@ -101,10 +106,12 @@ def candidate_meshes(cluster: Cluster) -> list[MeshSpec]:
 
 
 def search_mesh(cluster: Cluster, plan_for, options: PlanOptions) -> Plan:
-    """The best plan over `candidate_meshes(cluster)`: `plan_for(mesh, state)` takes one step
-    of planning a candidate (`state`: None at the first, then what the step before returned)
-    and returns (plan, None) when done, (None, state) when there is more to plan (raising
-    NoFeasiblePlan or StageError when nothing fits); in `options.search_workers` processes.
+    """The best plan over `candidate_meshes(cluster)`: `plan_for(mesh, state, beat)` takes one
+    step of planning a candidate (`state`: None at the first, then what the step before
+    returned) and returns (plan, None) when done, (None, state) when there is more to plan
+    (raising NoFeasiblePlan or StageError when nothing fits, Outpaced when it cannot step
+    faster than `beat` seconds: given to pipelined candidates, the fastest plan of the
+    others, or None); in `options.search_workers` processes.
     Ties go to fewer, then smaller, pp and tp degrees. The returned plan's `mesh_search` ranks
     every candidate."""
     tried = []
@@ -145,10 +152,11 @@ def workers(options: PlanOptions, candidates: int) -> int:
 _FORKED: dict = {}
 
 
-def _plan_one(i: int, state=None, progress=None) -> tuple[Plan | None, str, float, object]:
+def _plan_one(i: int, state=None, progress=None, beat: float | None = None
+              ) -> tuple[Plan | None, str, float, object]:
     """One step of candidate `i` (see `search_mesh`): (plan, "", seconds, None) when it is
-    planned, (None, why none fits, seconds, None) when nothing fits, (None, "", seconds,
-    state) when there is more to plan."""
+    planned, (None, why none fits or why it cannot be fastest, seconds, None) when not,
+    (None, "", seconds, state) when there is more to plan."""
     plan_for, meshes = _FORKED["plan_for"], _FORKED["meshes"]
     mesh = meshes[i]
     if state is None:
@@ -156,57 +164,84 @@ def _plan_one(i: int, state=None, progress=None) -> tuple[Plan | None, str, floa
                            + " x ".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.shape)))
     start = time.perf_counter()
     try:
-        plan, state = plan_for(mesh, state)
+        plan, state = plan_for(mesh, state, beat)
     except (NoFeasiblePlan, StageError) as e:
         return None, str(e).splitlines()[0][:200], time.perf_counter() - start, None
+    except Outpaced as e:
+        return None, f"bounded: {e}"[:200], time.perf_counter() - start, None
     return plan, "", time.perf_counter() - start, state
 
 
 def _plan_all(meshes: list[MeshSpec], plan_for, options: PlanOptions) -> list[tuple]:
     """Every candidate planned to the end (`_plan_one` until it returns no state): (plan,
-    why, seconds), in candidate order; in this process, or in forked workers (`workers`) that
-    take the steps as they come free, those of meshes of more dimensions first."""
+    why, seconds), in candidate order; in this process, or in forked workers (`workers`).
+    The candidates without pipeline stages first; then the pipelined ones, bounded by the
+    fastest of those (see the module docstring)."""
     _FORKED.update(plan_for=plan_for, meshes=meshes)
+    flat = [i for i, m in enumerate(meshes) if m.pipeline_dim is None]
+    piped = [i for i, m in enumerate(meshes) if m.pipeline_dim is not None]
     try:
         n = workers(options, len(meshes))
-        done: dict[int, tuple] = {}
         if n == 1:
-            for i in range(len(meshes)):
-                state, seconds = None, 0.0
-                while True:
-                    plan, why, took, state = _plan_one(i, state, options.progress)
-                    seconds += took
-                    if state is None:
-                        done[i] = (plan, why, seconds)
-                        break
-            return [done[i] for i in range(len(meshes))]
-        # The workers take the steps of meshes of more dimensions first: they have more
-        # strategies to price and solve (Llama-3 70B over 1,024 H100s: 40-57 s each for
-        # 512 x 2, 256 x 4 and 128 x 8, 10 s for 1,024), so the short ones fill in at the end
-        # instead of leaving one worker alone with a long one (longest first); of those, first
-        # steps first: each may bring another.
-        queue = [(i, None) for i in range(len(meshes))]
-        seconds = [0.0] * len(meshes)
+            done = _steps(flat, None, options)
+            return _in_order(done | _steps(piped, _fastest(done), options), meshes)
         with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
-            running: dict = {}
-            while queue or running:
-                while queue and len(running) < n:
-                    queue.sort(key=lambda t: (-len(meshes[t[0]].shape), t[1] is not None,
-                                              t[0]))
-                    i, state = queue.pop(0)
-                    running[pool.submit(_plan_one, i, state, options.progress)] = i
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    i = running.pop(future)
-                    plan, why, took, state = future.result()
-                    seconds[i] += took
-                    if state is None:
-                        done[i] = (plan, why, seconds[i])
-                    else:
-                        queue.append((i, state))
-        return [done[i] for i in range(len(meshes))]
+            done = _steps(flat, None, options, pool, n)
+            return _in_order(done | _steps(piped, _fastest(done), options, pool, n), meshes)
     finally:
         _FORKED.clear()
+
+
+def _fastest(done: dict[int, tuple]) -> float | None:
+    """The fastest step of the plans in `done` (None when none fits)."""
+    steps = [plan.cost.step_time for plan, _, _ in done.values() if plan is not None]
+    return min(steps) if steps else None
+
+
+def _in_order(done: dict[int, tuple], meshes: list[MeshSpec]) -> list[tuple]:
+    return [done[i] for i in range(len(meshes))]
+
+
+def _steps(indices: list[int], beat: float | None, options: PlanOptions, pool=None,
+           n: int = 1) -> dict[int, tuple]:
+    """Candidates `indices` planned to the end, each bounded by `beat`: {index: (plan, why,
+    seconds)}; in this process (`pool` None) or in the pool's `n` workers, which take the
+    steps as they come free, those of meshes of more dimensions first."""
+    meshes = _FORKED["meshes"]
+    done: dict[int, tuple] = {}
+    if pool is None:
+        for i in indices:
+            state, seconds = None, 0.0
+            while True:
+                plan, why, took, state = _plan_one(i, state, options.progress, beat)
+                seconds += took
+                if state is None:
+                    done[i] = (plan, why, seconds)
+                    break
+        return done
+    # The workers take the steps of meshes of more dimensions first: they have more
+    # strategies to price and solve (Llama-3 70B over 1,024 H100s: 40-57 s each for
+    # 512 x 2, 256 x 4 and 128 x 8, 10 s for 1,024), so the short ones fill in at the end
+    # instead of leaving one worker alone with a long one (longest first); of those, first
+    # steps first: each may bring another.
+    queue = [(i, None) for i in indices]
+    seconds = dict.fromkeys(indices, 0.0)
+    running: dict = {}
+    while queue or running:
+        while queue and len(running) < n:
+            queue.sort(key=lambda t: (-len(meshes[t[0]].shape), t[1] is not None, t[0]))
+            i, state = queue.pop(0)
+            running[pool.submit(_plan_one, i, state, options.progress, beat)] = i
+        finished, _ = wait(running, return_when=FIRST_COMPLETED)
+        for future in finished:
+            i = running.pop(future)
+            plan, why, took, state = future.result()
+            seconds[i] += took
+            if state is None:
+                done[i] = (plan, why, seconds[i])
+            else:
+                queue.append((i, state))
+    return done
 
 
 def _better(plan: Plan, best: Plan) -> bool:

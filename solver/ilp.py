@@ -82,6 +82,12 @@ __all__ = [  # (what other modules import from here, with what is defined here)
 BACKENDS = ("HIGHS", "SCIP", "CBC", "CP_SAT")
 
 
+class Outpaced(Exception):
+    """Plans none of which can step faster than a plan found already: a level of the memory
+    search (autopar/planner.py `solve_plan`'s `beat`), or a mesh a search's other mesh
+    beats (autopar/pipeline_plan.py `relaxed_step`)."""
+
+
 class NoFeasiblePlan(RuntimeError):
     """No assignment of strategies satisfies the memory budget. `dominant` names what
     dominates the smallest peak any plan reaches ("activations", "parameters", ...), when

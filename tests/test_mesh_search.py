@@ -77,6 +77,22 @@ def test_worker_processes_find_the_plan_one_process_finds():
         autopar.PlanOptions(search_workers=0)
 
 
+def test_pipelined_candidates_are_bounded_by_the_fastest_plan_without_stages():
+    """A pipelined candidate whose relaxed pipeline (blocks at their fastest, no budget)
+    cannot step faster than the best mesh without stages is not planned further; planned
+    alone, each such mesh is indeed slower."""
+    model, example = _gpt()
+    cluster = autopar.Cluster(4, hardware="h100", pipeline=True)
+    plan = autopar.plan(model, cluster, example, loss_fn=lm_loss, search_workers=1)
+    bounded = [r for r in plan.mesh_search if r["why"].startswith("bounded")]
+    assert bounded and plan.mesh.pipeline_dim is None
+    for r in bounded:
+        assert r["step_time"] is None and "relaxed pipeline" in r["why"]
+        mesh = autopar.MeshSpec(tuple(r["shape"]), names=tuple(r["names"]), hardware="h100")
+        alone = autopar.plan(model, mesh, example, loss_fn=lm_loss)
+        assert alone.cost.step_time > plan.cost.step_time
+
+
 def test_candidates_are_planned_a_microbatch_count_at_a_time(monkeypatch):
     """Under a budget the whole batch does not fit (4.5 MiB per device: 6.7 MiB without
     recomputation, 5.0 with full; 4.2 in two microbatches without), every candidate is planned
@@ -86,9 +102,9 @@ def test_candidates_are_planned_a_microbatch_count_at_a_time(monkeypatch):
     cluster = autopar.Cluster(4, hardware="cpu", devices_per_node=4)
     steps, real = [], autopar.search._plan_one
 
-    def counted(i, state=None, progress=None):
+    def counted(i, state=None, progress=None, beat=None):
         steps.append(i)
-        return real(i, state, progress)
+        return real(i, state, progress, beat)
 
     monkeypatch.setattr(autopar.search, "_plan_one", counted)
     alone = autopar.plan(model, cluster, example, loss_fn=lm_loss, memory_budget=4.5 * 2**20,
