@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from autopar.passes import torch_compat
 from autopar.passes.meta_copies import meta_copy
+from autopar.passes.pipeline_split import layer_count
 from autopar.passes.trace import trace
 from autopar.solver.specs import compute_dtype
 
@@ -105,9 +106,10 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs=(), loss_fn=
 
     if isinstance(mesh, Cluster):
         trace_at(1)  # before the search forks its workers: they share this trace
-        if mesh.pipeline:  # and the pipelined candidates' (every layer traced)
-            pipeline_trace(options.microbatches or 1)
-        return search_mesh(mesh, plan_step, options)
+        # and the pipelined candidates' (every layer traced), whose layers pp divides
+        layers = layer_count(pipeline_trace(options.microbatches or 1)) if mesh.pipeline \
+            else None
+        return search_mesh(mesh, plan_step, options, layers)
     if not isinstance(mesh, MeshSpec):
         mesh = MeshSpec.from_device_mesh(mesh)
     try:

@@ -84,14 +84,16 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_meshes(cluster: Cluster) -> list[MeshSpec]:
+def candidate_meshes(cluster: Cluster, layers: int | None = None) -> list[MeshSpec]:
     """Every (pp, dp, tp) mesh of the cluster's devices, size-1 dimensions left out: tp a
-    divisor of the devices per node, pp (with `cluster.pipeline`) a divisor of the rest."""
+    divisor of the devices per node, pp (with `cluster.pipeline`) a divisor of the rest and,
+    given the model's number of `layers`, of that (stages of whole layers alike)."""
     out, seen = [], set()
     n, per = cluster.devices, cluster.per_node
     for tp in _divisors(per):
         rest = n // tp
-        for pp in (_divisors(rest) if cluster.pipeline else [1]):
+        pps = [pp for pp in _divisors(rest) if layers is None or pp == 1 or layers % pp == 0]
+        for pp in (pps if cluster.pipeline else [1]):
             dp = rest // pp
             dims = [(s, name) for s, name in ((pp, "pp"), (dp, "dp"), (tp, "tp")) if s > 1]
             dims = dims or [(1, "dp")]
@@ -105,7 +107,8 @@ def candidate_meshes(cluster: Cluster) -> list[MeshSpec]:
     return out
 
 
-def search_mesh(cluster: Cluster, plan_for, options: PlanOptions) -> Plan:
+def search_mesh(cluster: Cluster, plan_for, options: PlanOptions,
+                layers: int | None = None) -> Plan:
     """The best plan over `candidate_meshes(cluster)`: `plan_for(mesh, state, beat)` takes one
     step of planning a candidate (`state`: None at the first, then what the step before
     returned) and returns (plan, None) when done, (None, state) when there is more to plan
@@ -113,10 +116,10 @@ def search_mesh(cluster: Cluster, plan_for, options: PlanOptions) -> Plan:
     faster than `beat` seconds: given to pipelined candidates, the fastest plan of the
     others, or None); in `options.search_workers` processes.
     Ties go to fewer, then smaller, pp and tp degrees. The returned plan's `mesh_search` ranks
-    every candidate."""
+    every candidate. `layers`: the model's number of layers (see `candidate_meshes`)."""
     tried = []
     best: Plan | None = None
-    meshes = candidate_meshes(cluster)
+    meshes = candidate_meshes(cluster, layers)
     for mesh, (plan, why, seconds) in zip(meshes, _plan_all(meshes, plan_for, options)):
         row = {"shape": list(mesh.shape), "names": list(mesh.names)}
         if plan is None:

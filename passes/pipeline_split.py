@@ -48,14 +48,23 @@ class LayerBlocks:
                 for n, b in self.of_node.items()}
 
 
-def layer_blocks(program: TracedProgram, graph: StrategyGraph) -> LayerBlocks:
-    """Coarsen `graph` (the strategy graph of `program`) into a chain of layer blocks."""
+def layer_count(program: TracedProgram) -> int:
+    """How many layers `program`'s model repeats (the layer blocks `layer_blocks` makes,
+    without the blocks before and after them): the children of its largest numbered
+    container (a ModuleList), else the root's own submodules."""
+    names = {n.name for n in program.graph.nodes if n.op == "call_function"}
+    return len(_layers(program, names)[2])
+
+
+def _layers(program: TracedProgram, names) -> tuple[list[str], dict, list[str]]:
+    """The call nodes of `program` among `names` in order, each one's module stack, and the
+    module paths of the model's layers, in order of first use."""
     prefix = program.module_prefix
     order = [n.name for n in program.graph.nodes
-             if n.op == "call_function" and n.name in graph.nodes]
+             if n.op == "call_function" and n.name in names]
     stacks = {}
     for node in program.graph.nodes:
-        if node.name in graph.nodes and node.op == "call_function":
+        if node.name in names and node.op == "call_function":
             stack = node.meta.get("nn_module_stack") or {}
             stacks[node.name] = [v[0] for v in stack.values()]
     children: dict[str, list[str]] = {}
@@ -75,7 +84,13 @@ def layer_blocks(program: TracedProgram, graph: StrategyGraph) -> LayerBlocks:
                 if parent == root and path != root and path not in layers:
                     layers.append(path)
         children[container] = layers
-    layers = children[container]
+    return order, stacks, children[container]
+
+
+def layer_blocks(program: TracedProgram, graph: StrategyGraph) -> LayerBlocks:
+    """Coarsen `graph` (the strategy graph of `program`) into a chain of layer blocks."""
+    prefix = program.module_prefix
+    order, stacks, layers = _layers(program, graph.nodes)
     position = {path: i for i, path in enumerate(layers)}
     layer_of: dict[str, int | None] = {}
     for name in order:

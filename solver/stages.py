@@ -376,45 +376,12 @@ def choose(blocks: list[Block], p: int, batch: int, traced_batch: int,
     balanced stages, free sends) and skipped once the bound cannot beat the best found. Ties go
     to less memory, then to the earlier candidate (1F1B before GPipe before interleaved, fewer
     microbatches). `overlap`: the hardware's (see `solve_stages`)."""
-    if p * (virtual_stages or 1) > len(blocks):
-        raise StageError(too_few_blocks(blocks, p * (virtual_stages or 1), p,
-                                        virtual_stages or 1))
-    if microbatches is not None and (microbatches < 1 or batch % microbatches):
-        raise StageError(f"the batch of {batch} does not split into {microbatches} "
-                         f"microbatches; choose a divisor of {batch} ("
-                         + ", ".join(str(d) for d in divisors(batch, batch)) + ")")
-    ms = [microbatches] if microbatches else \
-        microbatch_counts(batch, max_microbatches, split_by)
-    schedules = [schedule] if isinstance(schedule, str) else list(schedule or SCHEDULES)
-    candidates: list[tuple[str, int, int]] = []
-    reasons = []
-    for sched in schedules:
-        if sched == "interleaved":
-            top = min(len(blocks) // p, max_virtual_stages)
-            vs = [virtual_stages] if virtual_stages else list(range(2, top + 1))
-        else:
-            vs = [virtual_stages or 1]
-        for v in vs:
-            for m in ms:
-                why = schedule_problem(sched, p, m, v)
-                if why is None and p * v <= len(blocks):
-                    candidates.append((sched, m, v))
-                elif why:
-                    reasons.append(why)
-                elif schedule == "interleaved":
-                    reasons.append(too_few_blocks(blocks, p * v, p, v))
-    if not candidates:
-        raise StageError("no pipeline schedule fits the options: " + "; ".join(
-            dict.fromkeys(reasons)))
+    candidates = schedule_candidates(blocks, p, batch, microbatches, schedule,
+                                     virtual_stages, max_microbatches, max_virtual_stages,
+                                     split_by)
 
     def bound(cand):
-        sched, m, v = cand
-        sigma = (batch / m) / traced_batch
-        times = [microbatch_time(b, sigma, m) for b in blocks]
-        work = sum(times)
-        ws, wt, wc = objective_weights(p, m, v)
-        return ws * work + wt * work / p + wc * max(work / (p * v), max(times)) \
-            + replay_time(blocks, sigma, m)
+        return candidate_floor(blocks, p, batch, traced_batch, cand)
 
     order = sorted(range(len(candidates)), key=lambda i: (bound(candidates[i]), i))
     best: StageSolution | None = None
@@ -439,6 +406,62 @@ def choose(blocks: list[Block], p: int, batch: int, traced_batch: int,
     best.candidates = tried
     best.solve_time = time.perf_counter() - start
     return best
+
+
+def schedule_candidates(blocks: list[Block], p: int, batch: int,
+                        microbatches: int | None = None,
+                        schedule: str | tuple[str, ...] | None = None,
+                        virtual_stages: int | None = None, max_microbatches: int = 128,
+                        max_virtual_stages: int = 4, split_by: tuple[int, ...] = ()
+                        ) -> list[tuple[str, int, int]]:
+    """The (schedule, microbatch count, virtual stages) `choose` tries for the layer blocks
+    on `p` pp ranks (see there); StageError when none fits the options."""
+    n = len(blocks)
+    if p * (virtual_stages or 1) > n:
+        raise StageError(too_few_blocks(blocks, p * (virtual_stages or 1), p,
+                                        virtual_stages or 1))
+    if microbatches is not None and (microbatches < 1 or batch % microbatches):
+        raise StageError(f"the batch of {batch} does not split into {microbatches} "
+                         f"microbatches; choose a divisor of {batch} ("
+                         + ", ".join(str(d) for d in divisors(batch, batch)) + ")")
+    ms = [microbatches] if microbatches else \
+        microbatch_counts(batch, max_microbatches, split_by)
+    schedules = [schedule] if isinstance(schedule, str) else list(schedule or SCHEDULES)
+    candidates: list[tuple[str, int, int]] = []
+    reasons = []
+    for sched in schedules:
+        if sched == "interleaved":
+            top = min(n // p, max_virtual_stages)
+            vs = [virtual_stages] if virtual_stages else list(range(2, top + 1))
+        else:
+            vs = [virtual_stages or 1]
+        for v in vs:
+            for m in ms:
+                why = schedule_problem(sched, p, m, v)
+                if why is None and p * v <= n:
+                    candidates.append((sched, m, v))
+                elif why:
+                    reasons.append(why)
+                elif schedule == "interleaved":
+                    reasons.append(too_few_blocks(blocks, p * v, p, v))
+    if not candidates:
+        raise StageError("no pipeline schedule fits the options: " + "; ".join(
+            dict.fromkeys(reasons)))
+    return candidates
+
+
+def candidate_floor(blocks: list[Block], p: int, batch: int, traced_batch: int,
+                    candidate: tuple[str, int, int]) -> float:
+    """A lower bound on `solve_stages`' objective (`step_time`) for `candidate` (schedule,
+    m, v): stages perfectly balanced, sends free, every pp rank synchronizing an equal share
+    of the gradients."""
+    _, m, v = candidate
+    sigma = (batch / m) / traced_batch
+    times = [microbatch_time(b, sigma, m) for b in blocks]
+    work = sum(times)
+    ws, wt, wc = objective_weights(p, m, v)
+    return ws * work + wt * work / p + wc * max(work / (p * v), max(times)) \
+        + sum(b.grad_sync for b in blocks) / p + replay_time(blocks, sigma, m)
 
 
 def no_fit(blocks: list[Block], memory_budget: float | None, p: int) -> str:
