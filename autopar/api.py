@@ -106,10 +106,8 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs=(), loss_fn=
 
     if isinstance(mesh, Cluster):
         trace_at(1)  # before the search forks its workers: they share this trace
-        # and the pipelined candidates' (every layer traced), whose layers pp divides
-        layers = layer_count(pipeline_trace(options.microbatches or 1)) if mesh.pipeline \
-            else None
-        return search_mesh(mesh, plan_step, options, layers)
+        return search_mesh(mesh, plan_step, options,
+                           _layers(pipeline_trace, options) if mesh.pipeline else None)
     if not isinstance(mesh, MeshSpec):
         mesh = MeshSpec.from_device_mesh(mesh)
     try:
@@ -129,6 +127,16 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs=(), loss_fn=
     traces.clear()
     whole.append(True)
     return plan_on(mesh)
+
+
+def _layers(pipeline_trace, options: PlanOptions) -> int | None:
+    """The model's number of layers, from its pipelined trace (every layer traced), made
+    before a mesh search forks its workers so that its pipelined candidates share it; None
+    when that trace fails (each pipelined candidate then says why on its row)."""
+    try:
+        return layer_count(pipeline_trace(options.microbatches or 1))
+    except Exception:  # noqa: BLE001 - reported per candidate, by the same trace
+        return None
 
 
 def _layers_are_copies(pending: list) -> bool:

@@ -286,7 +286,7 @@ def relaxed_step(trace_at, batch: int, mesh: MeshSpec, options: PlanOptions,
     (or that bound) is returned."""
     m0 = options.microbatches or 1
     at = _setting(mesh, options, batch, options.microbatches, "none")
-    graph, cost, blocks, priced = _priced_blocks(trace_at(m0), at, m0)
+    _, cost, _, priced = _priced_blocks(trace_at(m0), at, m0)
     candidates = schedule_candidates(priced, at.p, batch, options.microbatches,
                                      options.schedule, options.virtual_stages,
                                      split_by=at.sub.shape)
@@ -297,8 +297,7 @@ def relaxed_step(trace_at, batch: int, mesh: MeshSpec, options: PlanOptions,
         if floor >= min(best, beat):
             return min(best, floor)
         cut = solve_stages(priced, at.p, sched, m, v, (batch / m) / (batch // m0), None,
-                           options.time_limit if options.time_limit < 1 else 1.0,
-                           overlap=cost.overlap)
+                           overlap=cost.overlap)  # (choose's time limit)
         best = min(best, cut.objective)
         if best < beat:
             break
