@@ -425,7 +425,7 @@ def schedule_candidates(blocks: list[Block], p: int, batch: int,
                          f"microbatches; choose a divisor of {batch} ("
                          + ", ".join(str(d) for d in divisors(batch, batch)) + ")")
     ms = [microbatches] if microbatches else \
-        microbatch_counts(batch, max_microbatches, split_by)
+        microbatch_counts(batch, max_microbatches, split_by, p)
     schedules = [schedule] if isinstance(schedule, str) else list(schedule or SCHEDULES)
     candidates: list[tuple[str, int, int]] = []
     reasons = []
@@ -475,15 +475,21 @@ def no_fit(blocks: list[Block], memory_budget: float | None, p: int) -> str:
             "dimensions, or a smaller batch.")
 
 
-def microbatch_counts(batch: int, limit: int, split_by: tuple[int, ...]) -> list[int]:
+def microbatch_counts(batch: int, limit: int, split_by: tuple[int, ...], p: int = 1
+                      ) -> list[int]:
     """The microbatch counts (up to `limit`) that divide `batch` into microbatches each mesh
-    dimension of `split_by`'s sizes still divides where it divides the batch.
+    dimension of `split_by`'s sizes still divides where it divides the batch, when one of
+    them fills the `p` pp ranks' pipeline (at least p microbatches); else every divisor.
 
     The blocks are priced at the whole batch, where a mesh dimension dividing it shards the
     samples; a microbatch it no longer divides (2304 samples over dp 24 in 64 microbatches of
-    36) falls back to sharding something else, at a price the cut never saw."""
+    36) falls back to sharding something else, at a price the cut never saw. A batch too
+    small to keep that and fill the pipeline (8 samples over dp 8 on 2 pp ranks) keeps every
+    count: one microbatch would leave each pp rank idle half the step."""
     keep = [n for n in split_by if n > 1 and batch % n == 0]
-    return [m for m in divisors(batch, limit) if all((batch // m) % n == 0 for n in keep)]
+    counts = divisors(batch, limit)
+    whole = [m for m in counts if all((batch // m) % n == 0 for n in keep)]
+    return whole if max(whole) >= p else counts
 
 
 def divisors(n: int, limit: int) -> list[int]:

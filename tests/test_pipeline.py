@@ -707,7 +707,9 @@ def test_microbatches_keep_the_batch_divisible_by_each_mesh_dimension():
     """The cut prices blocks at the whole batch, where dp 24 shards the samples: a microbatch
     count leaving 36 samples (2304 in 64) would leave dp nothing to shard, so only counts that
     keep each dimension dividing the microbatch are candidates (tp 8 too, it divides 2304)."""
-    counts = st.microbatch_counts(2304, 128, (24, 8))
+    counts = st.microbatch_counts(2304, 128, (24, 8), 8)
     assert 64 not in counts and 96 in counts and 128 not in counts
     assert all((2304 // m) % 24 == 0 for m in counts)
-    assert st.microbatch_counts(12, 128, (5,)) == st.divisors(12, 128)  # 5 never divides 12
+    assert st.microbatch_counts(12, 128, (5,), 2) == st.divisors(12, 128)  # 5 never divides 12
+    # 8 samples over dp 8 on 2 pp ranks: keeping dp's samples would leave one microbatch
+    assert st.microbatch_counts(8, 128, (8,), 2) == [1, 2, 4, 8]
