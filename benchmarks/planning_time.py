@@ -1,6 +1,7 @@
 """Planning time: Llama-3-shaped models (8B: hidden 4096, 32 heads, 8 KV heads, FFN 14336; 70B:
-hidden 8192, 64 heads, 8 KV heads, FFN 28672; vocabulary 128256, sequence 4096, batch 8) on the
-meta device, planned for simulated H100 meshes.
+hidden 8192, 64 heads, 8 KV heads, FFN 28672; 405B (126 layers): hidden 16384, 128 heads, 8 KV
+heads, FFN 53248; vocabulary 128256, sequence 4096, batch 8) on the meta device, planned for
+simulated H100 meshes.
 
     python -m benchmarks.planning_time                      # 8B 2 and 32 layers, 70B 80, (8, 8)
     python -m benchmarks.planning_time --rows 8b:32:8x8,70b:80:8x8
@@ -44,6 +45,8 @@ SHAPES = {
                intermediate_size=14336),
     "70b": dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
                 intermediate_size=28672),
+    "405b": dict(hidden_size=16384, num_attention_heads=128, num_key_value_heads=8,
+                 intermediate_size=53248),
 }
 
 
