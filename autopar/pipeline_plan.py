@@ -55,7 +55,6 @@ from autopar.solver.stages import (
     divisors,
     in_flight,
     schedule_candidates,
-    solve_stages,
     step_time,
 )
 
@@ -155,7 +154,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
     """
     options = options or PlanOptions()
     if beat is not None and running is None:
-        floor = relaxed_step(trace_at, batch, mesh, options, beat)
+        floor = relaxed_step(trace_at, batch, mesh, options)
         if floor >= beat:
             raise Outpaced(f"not even its relaxed pipeline steps under {floor:.4g} s, where "
                            f"another mesh's plan steps in {beat:.4g} s")
@@ -271,37 +270,22 @@ def _stage_cost(at: _Setting, program: TracedProgram, graph: StrategyGraph,
     return measured(cost, graph, at.profile)
 
 
-def relaxed_step(trace_at, batch: int, mesh: MeshSpec, options: PlanOptions,
-                 beat: float = float("inf")) -> float:
-    """Seconds below which no pipelined plan of the model on `mesh` steps, nearly: the stage
-    cut's objective (solver/stages.py `choose`) over layer blocks each priced at its fastest
-    intra-op plan (no recomputation, no memory budget: what makes a plan fit only costs
-    time), at the batch traced whole and scaled to each microbatch (a smaller one is no more
-    efficient). Each block is solved alone, its inputs where it likes them; the stages'
-    ILPs keep the placements the stage before produces, which can only cost more.
-
-    Only as far as `beat` needs: the schedules are tried in order of their lower bound
-    (`candidate_floor`: stages perfectly balanced, sends free), each cut solved, until one
-    steps under `beat` or the bound of the rest reaches the fastest found; the least found
-    (or that bound) is returned."""
+def relaxed_step(trace_at, batch: int, mesh: MeshSpec, options: PlanOptions) -> float:
+    """Seconds under which no pipelined plan of the model on `mesh` steps: the least, over
+    the schedules the stage cut may choose (solver/stages.py `choose`), of their floor
+    (`candidate_floor`: whole layer blocks balanced as well as they can be, sends free),
+    over layer blocks each priced at its fastest intra-op plan (no recomputation, no memory
+    budget: what makes a plan fit only costs time), at the batch traced whole and scaled to
+    each microbatch (a smaller one is no more efficient). Each block is solved alone, its
+    inputs where it likes them; the stages' ILPs keep the placements the stage before
+    produces, which can only cost more."""
     m0 = options.microbatches or 1
     at = _setting(mesh, options, batch, options.microbatches, "none")
-    _, cost, _, priced = _priced_blocks(trace_at(m0), at, m0)
-    candidates = schedule_candidates(priced, at.p, batch, options.microbatches,
-                                     options.schedule, options.virtual_stages,
-                                     split_by=at.sub.shape)
-    floors = sorted((candidate_floor(priced, at.p, batch, batch // m0, c), c)
-                    for c in candidates)
-    best = float("inf")
-    for floor, (sched, m, v) in floors:
-        if floor >= min(best, beat):
-            return min(best, floor)
-        cut = solve_stages(priced, at.p, sched, m, v, (batch / m) / (batch // m0), None,
-                           overlap=cost.overlap)  # (choose's time limit)
-        best = min(best, cut.objective)
-        if best < beat:
-            break
-    return best
+    priced = _priced_blocks(trace_at(m0), at, m0)[3]
+    return min(candidate_floor(priced, at.p, batch, batch // m0, c)
+               for c in schedule_candidates(priced, at.p, batch, options.microbatches,
+                                            options.schedule, options.virtual_stages,
+                                            split_by=at.sub.shape))
 
 
 def _priced_blocks(program: TracedProgram, at: _Setting, m0: int) -> tuple:

@@ -460,8 +460,39 @@ def candidate_floor(blocks: list[Block], p: int, batch: int, traced_batch: int,
     times = [microbatch_time(b, sigma, m) for b in blocks]
     work = sum(times)
     ws, wt, wc = objective_weights(p, m, v)
-    return ws * work + wt * work / p + wc * max(work / (p * v), max(times)) \
+    busiest = max(work / p, _whole_blocks(times, p, p - 1))
+    slowest = max(work / (p * v), max(times), _whole_blocks(times, p * v, p * v - 1))
+    return ws * work + wt * busiest + wc * slowest \
         + sum(b.grad_sync for b in blocks) / p + replay_time(blocks, sigma, m)
+
+
+def _whole_blocks(times: list[float], bins: int, last: int) -> float:
+    """The least load of the fullest of `bins` (stages, or pp ranks) that hold whole blocks
+    of `times`: bin 0 the first block, bin `last` the last one, and the blocks between (each
+    taking at least the least of their times, t) spread over all of them. Bins holding k of
+    those blocks and their fixed blocks e_r fit under T when sum_r floor((T - e_r) / t) >= k:
+    the least such T, by bisection (a lower bound whatever the cut: 80 equal layers over 8
+    pp ranks, the last also holding the head, put 11 layers on some rank, or 10 and the
+    head, where the average is 10.1)."""
+    middle = times[1:-1]
+    if bins < 2 or not middle or min(middle) <= 0:
+        return 0.0
+    t, k = min(middle), len(middle)
+    fixed = [0.0] * bins
+    fixed[0] += times[0]
+    fixed[last] += times[-1]
+
+    def holds(limit: float) -> bool:
+        return sum(int((limit - e) // t) for e in fixed if limit >= e) >= k
+
+    low, high = max(fixed), max(fixed) + (k + 1) * t
+    for _ in range(60):
+        mid = (low + high) / 2
+        if holds(mid):
+            high = mid
+        else:
+            low = mid
+    return low
 
 
 def no_fit(blocks: list[Block], memory_budget: float | None, p: int) -> str:

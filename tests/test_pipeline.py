@@ -713,3 +713,24 @@ def test_microbatches_keep_the_batch_divisible_by_each_mesh_dimension():
     assert st.microbatch_counts(12, 128, (5,), 2) == st.divisors(12, 128)  # 5 never divides 12
     # 8 samples over dp 8 on 2 pp ranks: keeping dp's samples would leave one microbatch
     assert st.microbatch_counts(8, 128, (8,), 2) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_candidates_floor_is_below_every_cut(seed):
+    """`candidate_floor` (whole blocks balanced as well as they can be, sends free) is below
+    the objective of every cut, for each schedule (brute force over small chains); with equal
+    layers and a head on the last stage it is above the average's bound: some pp rank
+    holds a whole layer more."""
+    rng = random.Random(seed)
+    n, p = rng.randint(5, 9), rng.choice([2, 3])
+    blocks = chain([rng.uniform(1e-4, 3e-3) for _ in range(n)],
+                   cut=rng.uniform(0, 1e-4), cut_fixed=1e-5)
+    for sched, m, v in [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2)]:
+        if p * v > n:
+            continue
+        floor = st.candidate_floor(blocks, p, 8, 8, (sched, m, v))
+        assert floor <= brute_force(blocks, p, m, v, sigma=2 / 8) * (1 + 1e-9)
+    layers = chain([1e-3] + [2e-3] * 8 + [1e-3])  # embedding, 8 layers, head; 3 pp ranks
+    floor = st.candidate_floor(layers, 3, 8, 8, ("1f1b", 8, 1))
+    work = sum(b.time for b in layers) / 8
+    assert floor > work + 7 * work / 3 and floor <= brute_force(layers, 3, 8, 1, 1 / 8)
