@@ -223,8 +223,8 @@ def _steps(indices: list[int], beat: float | None, options: PlanOptions, pool=No
                     break
         return done
     # The workers take the steps of meshes of more dimensions first: they have more
-    # strategies to price and solve (Llama-3 70B over 1,024 H100s: 40-57 s each for
-    # 512 x 2, 256 x 4 and 128 x 8, 10 s for 1,024), so the short ones fill in at the end
+    # strategies to price and solve (Llama-3 70B over 1,024 H100s: 16-21 s each for
+    # 512 x 2, 256 x 4 and 128 x 8, 4.5 s for 1,024), so the short ones fill in at the end
     # instead of leaving one worker alone with a long one (longest first); of those, first
     # steps first: each may bring another.
     queue = [(i, None) for i in indices]
