@@ -466,9 +466,8 @@ def _moved(shape: tuple[int, ...], src, dst, mesh_shape: tuple[int, ...]):
 
 def _cast_for_compute(cost: Prices, node: SNode, dtype: torch.dtype) -> bool:
     """Under mixed precision a floating-point parameter is used as its cast to the compute
-    dtype, a tensor of its own (what autograd keeps, when it keeps the parameter), made for
-    each run; where the step casts once (`cast_once`) the copy is priced with the parameter
-    (`parameter_bytes`), not where it is kept."""
+    dtype, a tensor of its own kept where autograd keeps the parameter (made once a step
+    instead, `cast_once`, it is priced with the parameter: `parameter_bytes`)."""
     return node.kind == PARAM and cost.precision.master is not None and \
         dtype.is_floating_point and not cost.cast_once
 
@@ -496,9 +495,8 @@ def parameter_bytes(cost: Prices, node: SNode, storage, zero: int = 0) -> dict[s
         return {"parameters": float(local * cost.dtype(node.out_dtypes[0]).itemsize),
                 "gradients": 0.0, "optimizer": 0.0}
     size, opt = cost.leaf_dtype(node).itemsize, cost.optimizer  # the master, if any
-    cast = cost.dtype(node.out_dtypes[0]).itemsize \
-        if cost.cast_once and cost.precision.master is not None and \
-        node.out_dtypes[0].is_floating_point else 0
+    cast = cost.dtype(node.out_dtypes[0]).itemsize if cost.cast_once and \
+        cost.precision.master is not None and node.out_dtypes[0].is_floating_point else 0
     return {"parameters": float(local * (size + cast)), "gradients": float(grad * size),
             "optimizer": float(shard * size * opt.states + opt.scalar_bytes)}
 
