@@ -18,7 +18,7 @@ from .mesh import MeshSpec
 from .options import PlanOptions
 from .originals import release
 from .parallelized import Parallelized, PlanMismatchError, batch_size, pipeline_tracer
-from .pipeline_plan import solve_pipeline_plan
+from .pipeline_plan import relaxed_step, solve_pipeline_plan
 from .plan import Plan
 from .planner import plan_round, solve_accumulated, start_rounds
 from .progress import Progress
@@ -106,8 +106,9 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs=(), loss_fn=
 
     if isinstance(mesh, Cluster):
         trace_at(1)  # before the search forks its workers: they share this trace
-        return search_mesh(mesh, plan_step, options,
-                           _layers(pipeline_trace, options) if mesh.pipeline else None)
+        return search_mesh(mesh, plan_step, options, _layers(pipeline_trace, options) if
+                           mesh.pipeline else None, lambda spec: relaxed_step(
+                               pipeline_trace, batch_size(example_inputs), spec, options))
     if not isinstance(mesh, MeshSpec):
         mesh = MeshSpec.from_device_mesh(mesh)
     try:

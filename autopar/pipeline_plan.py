@@ -156,8 +156,7 @@ def solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec,
     if beat is not None and running is None:
         floor = relaxed_step(trace_at, batch, mesh, options)
         if floor >= beat:
-            raise Outpaced(f"not even its relaxed pipeline steps under {floor:.4g} s, where "
-                           f"another mesh's plan steps in {beat:.4g} s")
+            raise Outpaced.by_relaxed_pipeline(floor, beat)
     plan, graph = _recomputing(trace_at, batch, mesh, options, running)
     if options.randomness != "auto" or running is not None or \
             not eager_could_fit(plan, graph, mesh, options):

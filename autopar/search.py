@@ -22,8 +22,9 @@ first, so the result does not depend on the workers.
 
 Pipelined candidates are planned after the others, each first bounded by its relaxed
 pipeline (autopar/pipeline_plan.py `relaxed_step`: layer blocks at their fastest, no memory
-budget): one that cannot step faster than the fastest plan without stages is not planned
-further (its row says so), which spares the stage solves of most of them.
+budget, worked out by the workers beside the candidates without stages): one that cannot step
+faster than the fastest plan without stages is not planned further (its row says so), which
+spares the stage solves of most of them.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def candidate_meshes(cluster: Cluster, layers: int | None = None) -> list[MeshSp
 
 
 def search_mesh(cluster: Cluster, plan_for, options: PlanOptions,
-                layers: int | None = None) -> Plan:
+                layers: int | None = None, floor_for=None) -> Plan:
     """The best plan over `candidate_meshes(cluster)`: `plan_for(mesh, state, beat)` takes one
     step of planning a candidate (`state`: None at the first, then what the step before
     returned) and returns (plan, None) when done, (None, state) when there is more to plan
@@ -116,11 +117,15 @@ def search_mesh(cluster: Cluster, plan_for, options: PlanOptions,
     faster than `beat` seconds: given to pipelined candidates, the fastest plan of the
     others, or None); in `options.search_workers` processes.
     Ties go to fewer, then smaller, pp and tp degrees. The returned plan's `mesh_search` ranks
-    every candidate. `layers`: the model's number of layers (see `candidate_meshes`)."""
+    every candidate. `layers`: the model's number of layers (see `candidate_meshes`).
+    `floor_for(mesh)`: seconds under which no plan of a pipelined candidate steps (its
+    relaxed step), worked out while the candidates without stages are planned; those it does
+    not bound are then planned without `beat`."""
     tried = []
     best: Plan | None = None
     meshes = candidate_meshes(cluster, layers)
-    for mesh, (plan, why, seconds) in zip(meshes, _plan_all(meshes, plan_for, options)):
+    for mesh, (plan, why, seconds) in zip(meshes, _plan_all(meshes, plan_for, options,
+                                                                      floor_for)):
         row = {"shape": list(mesh.shape), "names": list(mesh.names)}
         if plan is None:
             row.update(step_time=None, peak_memory=None, why=why)
@@ -175,24 +180,59 @@ def _plan_one(i: int, state=None, progress=None, beat: float | None = None
     return plan, "", time.perf_counter() - start, state
 
 
-def _plan_all(meshes: list[MeshSpec], plan_for, options: PlanOptions) -> list[tuple]:
+def _floor_one(i: int, progress=None) -> tuple[float | None, str, float]:
+    """The relaxed step of pipelined candidate `i` (`search_mesh`'s `floor_for`): (seconds,
+    "", seconds taken), or (None, why it has no plan, seconds taken)."""
+    mesh = _FORKED["meshes"][i]
+    Progress(progress)("bounding mesh " + " x ".join(f"{n}={s}" for n, s in
+                                                     zip(mesh.names, mesh.shape)))
+    start = time.perf_counter()
+    try:
+        return _FORKED["floor_for"](mesh), "", time.perf_counter() - start
+    except (NoFeasiblePlan, StageError) as e:
+        return None, str(e).splitlines()[0][:200], time.perf_counter() - start
+
+
+def _plan_all(meshes: list[MeshSpec], plan_for, options: PlanOptions,
+              floor_for=None) -> list[tuple]:
     """Every candidate planned to the end (`_plan_one` until it returns no state): (plan,
     why, seconds), in candidate order; in this process, or in forked workers (`workers`).
-    The candidates without pipeline stages first; then the pipelined ones, bounded by the
-    fastest of those (see the module docstring)."""
-    _FORKED.update(plan_for=plan_for, meshes=meshes)
+    The candidates without pipeline stages first, the pipelined ones' relaxed steps
+    (`floor_for`) beside them; then the pipelined ones that the fastest of those does not
+    bound (see the module docstring)."""
+    _FORKED.update(plan_for=plan_for, floor_for=floor_for, meshes=meshes)
     flat = [i for i, m in enumerate(meshes) if m.pipeline_dim is None]
     piped = [i for i, m in enumerate(meshes) if m.pipeline_dim is not None]
     try:
         n = workers(options, len(meshes))
         if n == 1:
-            done = _steps(flat, None, options)
-            return _in_order(done | _steps(piped, _fastest(done), options), meshes)
+            return _in_order(_both(flat, piped, options, None, 1), meshes)
         with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
-            done = _steps(flat, None, options, pool, n)
-            return _in_order(done | _steps(piped, _fastest(done), options, pool, n), meshes)
+            return _in_order(_both(flat, piped, options, pool, n), meshes)
     finally:
         _FORKED.clear()
+
+
+def _both(flat: list[int], piped: list[int], options: PlanOptions, pool, n: int) -> dict:
+    """`_plan_all`'s two rounds: the candidates without stages (and the pipelined ones'
+    relaxed steps, where `floor_for` is given), then the pipelined ones."""
+    floors = piped if _FORKED["floor_for"] is not None else []
+    done, bounds = _steps(flat, None, options, pool, n, floors)
+    beat = _fastest(done)
+    if not floors:
+        return done | _steps(piped, beat, options, pool, n)[0]
+    rest = []
+    for i in piped:
+        floor, why, took = bounds[i]
+        if why:
+            done[i] = (None, why, took)
+        elif beat is not None and floor >= beat:
+            done[i] = (None, f"bounded: {Outpaced.by_relaxed_pipeline(floor, beat)}"[:200], took)
+        else:
+            rest.append(i)
+    planned = _steps(rest, None, options, pool, n)[0]  # (bounded already: no beat)
+    return done | {i: (plan, why, took + bounds[i][2]) for i, (plan, why, took)
+                   in planned.items()}
 
 
 def _fastest(done: dict[int, tuple]) -> float | None:
@@ -206,10 +246,12 @@ def _in_order(done: dict[int, tuple], meshes: list[MeshSpec]) -> list[tuple]:
 
 
 def _steps(indices: list[int], beat: float | None, options: PlanOptions, pool=None,
-           n: int = 1) -> dict[int, tuple]:
-    """Candidates `indices` planned to the end, each bounded by `beat`: {index: (plan, why,
-    seconds)}; in this process (`pool` None) or in the pool's `n` workers, which take the
-    steps as they come free, those of meshes of more dimensions first."""
+           n: int = 1, floors: list[int] = ()) -> tuple[dict[int, tuple], dict[int, tuple]]:
+    """Candidates `indices` planned to the end, each bounded by `beat`, and the relaxed
+    steps of the pipelined candidates `floors` (`_floor_one`): ({index: (plan, why,
+    seconds)}, {index: (floor, why, seconds)}); in this process (`pool` None) or in the
+    pool's `n` workers, which take the steps as they come free, those of meshes of more
+    dimensions first, the relaxed steps last."""
     meshes = _FORKED["meshes"]
     done: dict[int, tuple] = {}
     if pool is None:
@@ -221,30 +263,37 @@ def _steps(indices: list[int], beat: float | None, options: PlanOptions, pool=No
                 if state is None:
                     done[i] = (plan, why, seconds)
                     break
-        return done
+        return done, {i: _floor_one(i, options.progress) for i in floors}
     # The workers take the steps of meshes of more dimensions first: they have more
     # strategies to price and solve (Llama-3 70B over 1,024 H100s: 16-21 s each for
     # 512 x 2, 256 x 4 and 128 x 8, 4.5 s for 1,024), so the short ones fill in at the end
     # instead of leaving one worker alone with a long one (longest first); of those, first
-    # steps first: each may bring another.
-    queue = [(i, None) for i in indices]
+    # steps first: each may bring another. The relaxed steps (1-6 s each) fill in after
+    # them, while a worker would otherwise wait for the other's last candidate.
+    queue = [(i, None, False) for i in indices] + [(i, None, True) for i in floors]
     seconds = dict.fromkeys(indices, 0.0)
+    bounds: dict[int, tuple] = {}
     running: dict = {}
     while queue or running:
         while queue and len(running) < n:
-            queue.sort(key=lambda t: (-len(meshes[t[0]].shape), t[1] is not None, t[0]))
-            i, state = queue.pop(0)
-            running[pool.submit(_plan_one, i, state, options.progress, beat)] = i
+            queue.sort(key=lambda t: (t[2], -len(meshes[t[0]].shape), t[1] is not None, t[0]))
+            i, state, floor = queue.pop(0)
+            future = pool.submit(_floor_one, i, options.progress) if floor else \
+                pool.submit(_plan_one, i, state, options.progress, beat)
+            running[future] = (i, floor)
         finished, _ = wait(running, return_when=FIRST_COMPLETED)
         for future in finished:
-            i = running.pop(future)
+            i, floor = running.pop(future)
+            if floor:
+                bounds[i] = future.result()
+                continue
             plan, why, took, state = future.result()
             seconds[i] += took
             if state is None:
                 done[i] = (plan, why, seconds[i])
             else:
-                queue.append((i, state))
-    return done
+                queue.append((i, state, False))
+    return done, bounds
 
 
 def _better(plan: Plan, best: Plan) -> bool:

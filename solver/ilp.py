@@ -87,6 +87,13 @@ class Outpaced(Exception):
     search (autopar/planner.py `solve_plan`'s `beat`), or a mesh a search's other mesh
     beats (autopar/pipeline_plan.py `relaxed_step`)."""
 
+    @classmethod
+    def by_relaxed_pipeline(cls, floor: float, beat: float) -> "Outpaced":
+        """A pipelined mesh whose relaxed step, `floor` seconds, is no faster than `beat`,
+        another mesh's plan."""
+        return cls(f"not even its relaxed pipeline steps under {floor:.4g} s, where another "
+                   f"mesh's plan steps in {beat:.4g} s")
+
 
 class NoFeasiblePlan(RuntimeError):
     """No assignment of strategies satisfies the memory budget. `dominant` names what

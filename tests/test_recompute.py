@@ -12,6 +12,7 @@ import autopar
 from autopar import planner
 from autopar.passes.trace import TraceError, trace_example
 from autopar.solver.ilp import NoFeasiblePlan
+from autopar.zoo import GPT, GPTConfig, lm_loss
 from tests import cost_tasks, rank_tasks
 from tests.rank_tasks import build
 
@@ -275,6 +276,40 @@ def test_planner_skips_recomputation_that_cannot_beat_a_plan_that_fits(monkeypat
             assert tried == expect
         else:
             assert "selective" in tried  # memory binds: the next level is tried
+
+
+def test_a_later_count_skips_the_plan_without_the_budget_when_nothing_it_keeps_fits(
+        monkeypatch):
+    """After a plan fits (full recomputation, the whole batch), the next microbatch count
+    solves the relaxation of its level that frees parameters first: when not even that fits,
+    neither that level nor the one keeping them gathered is solved (the fastest plan without
+    the budget, 1.6 s of Llama-3 70B's planning on (8, 8)), and the plan found is the one
+    found with both solved."""
+    model = GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=4, n_embd=64))
+    x = torch.randint(0, 128, (8, 64))
+    example = (x, torch.roll(x, -1, 1))
+    free = autopar.plan(model, SPEC, example, loss_fn=lm_loss, memory_budget=float("inf"))
+    tried = []
+    solve_plan = planner.solve_plan
+
+    def counted(*args, **kwargs):
+        if not kwargs.get("relax_only"):
+            tried.append((kwargs["accumulation"], kwargs["recompute"], kwargs["reshard"]))
+        return solve_plan(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "solve_plan", counted)
+    plans = []
+    for check in (True, False):
+        if not check:
+            monkeypatch.setattr(planner, "_first_freeing", lambda *a: None)
+        tried.clear()
+        plans.append(autopar.plan(model, SPEC, example, loss_fn=lm_loss,
+                                  memory_budget=free.cost.peak_memory * 0.45))
+        at = {k: [(r, freed) for m, r, freed in tried if m == k] for k in (1, 2)}
+        for level in (("none", False), ("none", True)):
+            assert level in at[1] and (level in at[2]) is not check
+    assert plans[0].accumulation == 2 and plans[0].recompute.mode == "full"
+    assert plans[0].hash() == plans[1].hash()
 
 
 def test_levels_of_a_search_cluster_and_plan_recomputation_once(monkeypatch):
