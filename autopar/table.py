@@ -279,6 +279,19 @@ def collective_lines(plan) -> list[str]:
     return lines
 
 
+# Inside pipeline stages, ZeRO is FSDP keeping its parameters gathered across a step's
+# microbatches (FSDP2 under torch.distributed.pipelining: no resharding after backward and no
+# gradient sync until the last microbatch; ZeRO-2's reduce-scatter each microbatch is FSDP2
+# syncing gradients every microbatch), where FSDP proper gathers them again every microbatch.
+_KEPT_ACROSS = {
+    1: "; in the stages, FSDP kept gathered across the step's microbatches: each parameter "
+       "gathered once a step and its gradient reduce-scattered once, after the last "
+       "microbatch",
+    2: "; in the stages, FSDP kept gathered across the step's microbatches: each parameter "
+       "gathered once a step, its gradient reduce-scattered every microbatch",
+}
+
+
 def footer(plan) -> list[str]:
     """What follows the cost: unsupported ops, the meshes tried, recomputation, accumulation,
     randomness, pipeline."""
@@ -301,7 +314,8 @@ def footer(plan) -> list[str]:
         n = sum(1 for v in plan.zero.values() if v == stage)
         what = "optimizer state" if stage == 1 else "optimizer state and gradients"
         lines.append(f"ZeRO-{stage}: {n} replicated parameter{'s' * (n != 1)} with {what} "
-                     "sharded over the data-parallel ranks (stepped shards all-gathered)")
+                     "sharded over the data-parallel ranks (stepped shards all-gathered)"
+                     + (_KEPT_ACROSS[stage] if plan.pipeline is not None else ""))
     if plan.accumulation > 1:
         lines.append(f"gradient accumulation: {plan.accumulation} microbatches a step, "
                      "gradients synchronized once (the graph above is one microbatch)")

@@ -624,6 +624,32 @@ EQUIVALENCE = [
 ]
 
 
+def test_zero_in_the_stages_is_fsdp_kept_gathered_across_the_microbatches():
+    """Inside pipeline stages FSDP regathers each parameter every microbatch, and ZeRO is FSDP
+    keeping it gathered across the step's microbatches (gathered once a step, gradients
+    reduce-scattered once: ZeRO-1, or every microbatch: ZeRO-2): priced so, and the plan says
+    which (the EQUIVALENCE cases above train both on gloo ranks)."""
+    model, loss_fn, example = rank_tasks.build("gpt")
+    mesh = autopar.MeshSpec((2, 2), ("pp", "dp"), hardware="h100")
+    plans = {style: autopar.plan(model, mesh, example, loss_fn=loss_fn, microbatches=2,
+                                 force={"dp": style}) for style in ("fsdp", "zero1", "zero2")}
+    fsdp, zero1, zero2 = (plans[s].cost.communication for s in ("fsdp", "zero1", "zero2"))
+    assert fsdp["all_gather"] > 0 and fsdp["reduce_scatter"] > 0
+    assert zero1["all_gather"] == zero1["reduce_scatter"] == 0 and zero1["gradient_sync"] > 0
+    # (ZeRO-2's reduce-scatter every microbatch is its gradient synchronization)
+    assert zero2["all_gather"] == zero2["reduce_scatter"] == 0
+    assert zero2["gradient_sync"] > zero1["gradient_sync"]
+    kept = "FSDP kept gathered across the step's microbatches"
+    text = {s: " ".join(str(p).split()) for s, p in plans.items()}
+    assert kept in text["zero1"] and "reduce-scattered once, after the last microbatch" \
+        in text["zero1"]
+    assert kept in text["zero2"] and "reduce-scattered every microbatch" in text["zero2"]
+    assert kept not in text["fsdp"]
+    flat = autopar.plan(model, autopar.MeshSpec((4,), ("dp",), hardware="h100"), example,
+                        loss_fn=loss_fn, force={"dp": "zero1"})
+    assert "ZeRO-1" in str(flat) and kept not in " ".join(str(flat).split())
+
+
 @pytest.mark.parametrize("name,shape,names,options", EQUIVALENCE,
                          ids=[f"{m}-{'x'.join(map(str, s))}-" + "-".join(
                              str(v) if not isinstance(v, dict) else "".join(v.values())
