@@ -122,30 +122,39 @@ def _owner_prices(graph: StrategyGraph, cost: CostModel, c: Clustering, forced, 
     sync = {o: [NO_TIME] * len(c.index[o]) for o in owners} if with_sync else None
     node_memory: dict[tuple, list[float]] = {}
     node_sync: dict[tuple, list[Split]] = {}
+    # Nodes alike (one owner, the same prices, strategies and restrictions: the same node of
+    # each folded layer) are added once, times how many there are.
+    alike: dict[tuple, list] = {}
     for v, o in c.owner.items():
+        key = (o, price_key(cost, c.twin, v), tuple(c.index[v]),
+               tuple(forced[v]) if forced and v in forced else None,
+               tuple(discouraged.get(v, ())) if discouraged else ())
+        if key in alike:
+            alike[key][1] += 1
+        else:
+            alike[key] = [v, 1]
+    for (o, tw, index, allowed, penalized), (v, n) in alike.items():
         node = graph.nodes[v]
-        tw = price_key(cost, c.twin, v)
         if tw not in node_memory:
             node_memory[tw] = [cost.node_memory(node, s) for s in node.strategies]
             if node.kind == PARAM and with_sync:
                 node_sync[tw] = [cost.grad_sync_split(node, s.output, s.zero)
                                  for s in node.strategies]
-        allowed = set(forced[v]) if forced and v in forced else None
-        penalized = set(discouraged.get(v, ())) if discouraged else set()
-        # (this runs for every node and strategy of every layer: the lists looked up once)
+        allowed = set(allowed) if allowed is not None else None
+        # (the lists looked up once)
         tv, costs, mem, node_mem = t[v], node_cost[o], memory[o], node_memory[tw]
         splits, tv_split = (node_split[o], t_split[v]) if overlap else (None, None)
         syncs, node_syncs = (sync[o], node_sync[tw]) if tw in node_sync else (None, None)
-        for k, j in enumerate(c.index[v]):
+        for k, j in enumerate(index):
             if (allowed is not None and j not in allowed) or tv[j] == INFEASIBLE:
                 costs[k] = INFEASIBLE
             elif costs[k] != INFEASIBLE:
-                costs[k] += tv[j] + (PENALTY if j in penalized else 0.0)
+                costs[k] += n * (tv[j] + (PENALTY if j in penalized else 0.0))
                 if splits is not None:
-                    splits[k] = splits[k].plus(tv_split[j])
-            mem[k] += node_mem[j]
+                    splits[k] = splits[k].plus(tv_split[j], n)
+            mem[k] += n * node_mem[j]
             if syncs is not None:
-                syncs[k] = syncs[k].plus(node_syncs[j])
+                syncs[k] = syncs[k].plus(node_syncs[j], n)
     return _OwnerPrices(node_cost, node_split, memory, sync)
 
 
