@@ -77,3 +77,42 @@ def test_a_solve_in_numerical_trouble_is_solved_again_with_presolve(monkeypatch)
     graph = strategies.build(trace_example(model, (x, y), F.cross_entropy), (2,))
     sol = solve(graph, CostModel(autopar.MeshSpec((2,), hardware="cpu"), graph=graph))
     assert calls == ["presolve = off", ""] and sol.choice
+
+
+def test_a_relaxation_stalled_without_presolve_is_solved_with_it(monkeypatch):
+    """Without presolve HiGHS stalled on a Llama-3 405B level's relaxation (no answer in 60 s;
+    with presolve, infeasible in 0.55 s): a relaxation gets RELAX_SECONDS without presolve,
+    then the rest of its time limit with it, and that answer stands."""
+    import torch
+    import torch.nn.functional as F
+
+    import autopar
+    from autopar.passes import strategies
+    from autopar.passes.trace import trace_example
+    from autopar.solver import ilp
+    from autopar.solver.cost import CostModel
+    from autopar.solver.owner_problem import priced_problem
+    from tests.models import MLP
+
+    calls = []
+    real = mip.solve
+
+    def stalled(program, backend, time_limit, gap, hint=None, options=""):
+        calls.append((options, time_limit))
+        if "presolve = off" in options:
+            return mip.Result(mip.NO_SOLUTION)
+        return real(program, backend, time_limit, gap, hint, options)
+
+    monkeypatch.setattr(mip, "solve", stalled)
+    model = MLP([16, 32, 8])
+    x, y = torch.randn(8, 16), torch.randint(0, 8, (8,))
+    graph = strategies.build(trace_example(model, (x, y), F.cross_entropy), (2,))
+    cost = CostModel(autopar.MeshSpec((2,), hardware="cpu"), graph=graph)
+    problem = priced_problem(graph, cost, relaxation=True)
+    bound = ilp.relaxed_bound(graph, cost, problem, None, time_limit=10.0)
+    assert calls == [("presolve = off", ilp.RELAX_SECONDS), ("", 10.0 - ilp.RELAX_SECONDS)]
+    assert bound > 0  # solved (0: out of time)
+    calls.clear()
+    ilp.solve(graph, cost)  # an integer solve: its whole time without presolve, as before
+    assert calls and all(options == "presolve = off" and limit == 60.0
+                         for options, limit in calls)
