@@ -107,7 +107,7 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs=(), loss_fn=
     if isinstance(mesh, Cluster):
         trace_at(1)  # before the search forks its workers: they share this trace
         return search_mesh(mesh, plan_step, options, _layers(pipeline_trace, options) if
-                           mesh.pipeline else None, lambda spec: relaxed_step(
+                           mesh.pipeline is not False else None, lambda spec: relaxed_step(
                                pipeline_trace, batch_size(example_inputs), spec, options))
     if not isinstance(mesh, MeshSpec):
         mesh = MeshSpec.from_device_mesh(mesh)

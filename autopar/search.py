@@ -7,10 +7,11 @@ each.
 
 A candidate mesh is (pp, dp, tp) with size-1 dimensions left out: tp (the innermost
 dimension, consecutive devices) stays inside a node, where the fast link is, and divides the
-devices per node; pp cuts the model into pipeline stages (only when asked: `pipeline=True`);
-dp takes the rest. The intra-op solver decides on every non-pp dimension whether it holds data
-parallelism, FSDP, tensor parallelism or a mix, so the names only say which dimension is inside
-a node. The model is traced once for all candidates (the trace does not depend on the mesh).
+devices per node; pp cuts the model into pipeline stages (where its layers can be cut, unless
+`pipeline=False`); dp takes the rest. The intra-op solver decides on every non-pp dimension
+whether it holds data parallelism, FSDP, tensor parallelism or a mix, so the names only say
+which dimension is inside a node. The model is traced once for all candidates (the trace
+does not depend on the mesh).
 
 Candidates are planned in worker processes at once (`PlanOptions.search_workers`; by default
 one per CPU core), forked from the caller after the trace, so each starts from the traced
@@ -52,12 +53,14 @@ __all__ = ["Cluster", "candidate_meshes", "search_mesh"]
 class Cluster:
     """Devices to plan for when the mesh is the planner's to choose: how many, how many share
     a node (default: the hardware's), what they are, and whether pipeline stages may be
-    tried."""
+    tried: by default (None) where the model's layers can be cut into stages (its pipelined
+    trace finds them), with True always (a mesh that cannot be cut says why on its row), with
+    False never."""
 
     devices: int
     hardware: str | HardwareProfile = "h100"
     devices_per_node: int | None = None
-    pipeline: bool = False
+    pipeline: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.devices, int) or self.devices < 1:
@@ -87,14 +90,15 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_meshes(cluster: Cluster, layers: int | None = None) -> list[MeshSpec]:
     """Every (pp, dp, tp) mesh of the cluster's devices, size-1 dimensions left out: tp a
-    divisor of the devices per node, pp (with `cluster.pipeline`) a divisor of the rest and,
+    divisor of the devices per node, pp (see `Cluster.pipeline`) a divisor of the rest and,
     given the model's number of `layers`, of that (stages of whole layers alike)."""
     out, seen = [], set()
     n, per = cluster.devices, cluster.per_node
     for tp in _divisors(per):
         rest = n // tp
         pps = [pp for pp in _divisors(rest) if layers is None or pp == 1 or layers % pp == 0]
-        for pp in (pps if cluster.pipeline else [1]):
+        staged = cluster.pipeline or cluster.pipeline is None and (layers or 0) > 1
+        for pp in (pps if staged else [1]):
             dp = rest // pp
             dims = [(s, name) for s, name in ((pp, "pp"), (dp, "dp"), (tp, "tp")) if s > 1]
             dims = dims or [(1, "dp")]

@@ -6,7 +6,7 @@ simulated H100 meshes.
     python -m benchmarks.planning_time                      # 8B 2 and 32 layers, 70B 80, (8, 8)
     python -m benchmarks.planning_time --rows 8b:32:8x8,70b:80:8x8
     python -m benchmarks.planning_time --search 8b:32:64,70b:80:1024   # the mesh search
-    python -m benchmarks.planning_time --search 70b:80:1024 --pipeline  # with pp meshes
+    python -m benchmarks.planning_time --search 70b:80:1024 --flat  # without pp meshes
 
 Prints a markdown table: seconds to trace, to enumerate strategies, to cluster and build the
 ILP and solve it, for the whole `autopar.plan` call under the H100's memory (where the planner
@@ -96,10 +96,10 @@ def run(size: str, layers: int, mesh: tuple[int, ...]) -> dict:
             "folded": program.folded}
 
 
-def search(size: str, layers: int, devices: int, pipeline: bool = False) -> None:
+def search(size: str, layers: int, devices: int, pipeline: bool | None = None) -> None:
     """Time the mesh search for `devices` H100s (8 per node), one 4096-token sequence per
-    device, bf16-mixed, under the H100's memory (with `pipeline`, pipelined meshes among the
-    candidates); print the ranking of the shapes tried."""
+    device, bf16-mixed, under the H100's memory (`pipeline`: `Cluster.pipeline`, whether
+    pipelined meshes are among the candidates); print the ranking of the shapes tried."""
     model = llama(size, layers)
     ids = torch.randint(0, 128256, (devices, 4096), device="meta")
     start = time.perf_counter()
@@ -123,14 +123,16 @@ def main() -> None:
                     help="model:layers:mesh, comma-separated")
     ap.add_argument("--search", help="model:layers:devices, comma-separated: time the mesh "
                                      "search instead (e.g. 8b:32:64,70b:80:1024)")
-    ap.add_argument("--pipeline", action="store_true", help="with --search: pipelined meshes "
-                    "(pp x dp x tp) among the candidates")
+    ap.add_argument("--flat", action="store_true", help="with --search: no pipelined meshes "
+                    "(pp x dp x tp) among the candidates (by default they are, as in Cluster)")
+    ap.add_argument("--pipeline", action="store_true", help="(the default; kept for the "
+                    "commands RESULTS.md gives)")
     ap.add_argument("--one", help="(internal) one row, printed as JSON")
     args = ap.parse_args()
     if args.search:
         for row in args.search.split(","):
             size, layers, devices = row.split(":")
-            search(size, int(layers), int(devices), args.pipeline)
+            search(size, int(layers), int(devices), False if args.flat else None)
         return
     if args.one:
         size, layers, mesh = args.one.split(":")

@@ -33,6 +33,21 @@ def test_candidates_keep_tensor_parallelism_inside_a_node():
             assert m.shape[k] <= 4 and m.link(k) == m.profile.intra_node
 
 
+def test_pipelined_candidates_by_default_where_the_layers_can_be_cut():
+    """By default a search tries pp where the model's layers can be cut (pp a divisor of
+    their count), and not where none were found; pipeline=False never, True always."""
+    def pps(cluster, layers):
+        return sorted({m.shape[0] for m in candidate_meshes(cluster, layers)
+                       if m.pipeline_dim is not None})
+
+    default = autopar.Cluster(16, hardware="h100", devices_per_node=4)
+    assert default.pipeline is None
+    assert pps(default, 12) == [2, 4] and pps(default, 3) == [] and pps(default, None) == []
+    assert pps(default, 1) == []
+    assert pps(dataclasses.replace(default, pipeline=False), 12) == []
+    assert pps(dataclasses.replace(default, pipeline=True), None) == [2, 4, 8, 16]
+
+
 @pytest.mark.parametrize("devices,hardware", [(6, "cpu"), (3, "h100"), (7, "h100")])
 def test_part_of_one_node_is_a_cluster(devices, hardware):
     """Fewer devices than a node holds (6 gloo processes on a 64-core machine, 3 GPUs of
@@ -50,7 +65,9 @@ def test_the_fastest_mesh_is_returned_with_the_ranking():
     model, example = _gpt()
     plan = autopar.plan(model, autopar.Cluster(8, hardware="h100"), example, loss_fn=lm_loss)
     tried = plan.mesh_search
-    assert len(tried) == len(candidate_meshes(autopar.Cluster(8, hardware="h100")))
+    # (pipelined meshes among them by default: the model's 2 layers cut into 2 stages)
+    assert len(tried) == len(candidate_meshes(autopar.Cluster(8, hardware="h100"), 2))
+    assert any("pp" in r["names"] for r in tried)
     times = [r["step_time"] for r in tried if r["step_time"] is not None]
     assert times == sorted(times) and plan.cost.step_time == pytest.approx(times[0])
     assert list(plan.mesh.shape) == tried[0]["shape"] and plan.mesh.size == 8
@@ -99,7 +116,7 @@ def test_candidates_are_planned_a_microbatch_count_at_a_time(monkeypatch):
     in two steps, one per microbatch count, which forked workers take as they come free; they
     find what one process finds: two microbatches, nothing recomputed."""
     model, example = _gpt(batch=64)
-    cluster = autopar.Cluster(4, hardware="cpu", devices_per_node=4)
+    cluster = autopar.Cluster(4, hardware="cpu", devices_per_node=4, pipeline=False)
     steps, real = [], autopar.search._plan_one
 
     def counted(i, state=None, progress=None, beat=None):
@@ -128,7 +145,7 @@ def test_a_mesh_that_does_not_fit_is_ranked_with_its_reason():
     from autopar.solver.diagnose import min_memory
 
     model, example = _gpt(batch=64)
-    cluster = autopar.Cluster(4, hardware="cpu", devices_per_node=4)
+    cluster = autopar.Cluster(4, hardware="cpu", devices_per_node=4, pipeline=False)
     program = trace_example(model, example, lm_loss)
     peaks = []
     for mesh in candidate_meshes(cluster):
