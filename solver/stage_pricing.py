@@ -23,7 +23,7 @@ from autopar.passes.strategies import CONSTANT, INPUT, OP, PARAM, Strategy, Stra
 from .cost import NO_TIME, CostModel, Split, step_seconds
 from .flops import is_view
 from .ilp import loss_sink_time, solve
-from .memory import draw_bytes
+from .memory import draw_bytes, recompute_state
 from .stages import Block, hides_sends, in_flight, objective_weights, rank_pace, step_time
 
 
@@ -170,13 +170,14 @@ def stage_share(sub: StrategyGraph, cost: CostModel) -> float:
 def solve_subgraph(sub: StrategyGraph, cost: CostModel, cache: dict, *,
                    memory_budget: float | None = None, backend: str = "HIGHS",
                    time_limit: float = 60.0, forced=None, discouraged=None, draw=None,
-                   program=None) -> dict[str, Strategy]:
+                   program=None, shape: tuple | None = None) -> dict[str, Strategy]:
     """The intra-op ILP on one subgraph; identical subgraphs (by `signature`) are solved once
     and share the solution position by position. `draw(sub)` replaces the ILP (random plans).
     With the traced `program` (its module hierarchy), the subgraph's repeated layers share
-    their decisions (passes.cluster), as in a whole-model solve."""
+    their decisions (passes.cluster), as in a whole-model solve. `shape`: `signature(sub)`,
+    where the caller has it."""
     position = {name: i for i, name in enumerate(sub.nodes)}  # (names differ between twins)
-    key = (signature(sub), memory_budget,
+    key = (shape or signature(sub), memory_budget,
            *(tuple(sorted((position[n], tuple(ks)) for n, ks in (d or {}).items()))
              for d in (forced, discouraged)))
     if key not in cache:
@@ -199,6 +200,13 @@ def _clustering(sub: StrategyGraph, program) -> dict:
            and sub.nodes[n.name].kind != INPUT]
     view = SimpleNamespace(graph=SimpleNamespace(nodes=own))
     return {"clustering": cluster(sub, view)}
+
+
+def _priced_alike(cost: CostModel, name: str) -> tuple:
+    """What, besides a block's structure (`signature`), its node `name`'s prices depend on:
+    its recomputation, how many ops send its outputs gradients (the last layer's output has
+    fewer readers: solver/plan_prices.py `price_key`), and whether it is freed after forward."""
+    return recompute_state(cost, name), cost.gradient_readers(name), name in cost.reshard
 
 
 def crossing(graph: StrategyGraph, stage_of: dict[str, int]
@@ -248,6 +256,7 @@ def price_blocks(graph: StrategyGraph, cost: CostModel, block_of: dict[str, int]
     boundary inputs free, no ZeRO: as the free stages are solved) and every cut between
     blocks on the pp `link`."""
     cache: dict = {}
+    prices: dict[tuple, Priced] = {}  # blocks alike (most of a model's layers) priced once
     members: dict[int, list[str]] = {b: [] for b in range(len(names))}
     for name, b in block_of.items():
         members[b].append(name)
@@ -255,11 +264,15 @@ def price_blocks(graph: StrategyGraph, cost: CostModel, block_of: dict[str, int]
     blocks = []
     for b, name in enumerate(names):
         sub = subgraph(graph, members[b], {})
+        shape = signature(sub)
         picked = solve_subgraph(sub, cost, cache, backend=backend, time_limit=time_limit,
-                                forced=without_zero(sub))
+                                forced=without_zero(sub), shape=shape)
         choice.update({n: s for n, s in picked.items() if n in members[b]
                        or graph.nodes[n].kind == PARAM})
-        p = price(sub, cost, picked)
+        key = (shape, tuple(_priced_alike(cost, n) for n in sub.nodes))
+        if key not in prices:
+            prices[key] = price(sub, cost, picked)
+        p = prices[key]
         blocks.append(Block(name, p.time, p.time_fixed, p.grad_sync,
                             sum(v for k, v in p.memory.items() if k != "activations"),
                             p.memory["activations"], draw=p.draws, accumulate=p.accumulate,

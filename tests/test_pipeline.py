@@ -741,6 +741,42 @@ def test_microbatches_keep_the_batch_divisible_by_each_mesh_dimension():
     assert st.microbatch_counts(8, 128, (8,), 2) == [1, 2, 4, 8]
 
 
+def test_layer_blocks_alike_are_priced_once_at_the_same_prices(monkeypatch):
+    """The stage cut's block prices (`price_blocks`): blocks alike (the same structure,
+    recomputation, gradient readers and resharding: a stack's middle layers) are priced once;
+    each block's prices are those it has priced alone, the last layer's included (its output
+    has fewer gradient readers: on Llama-3 70B's shapes that makes its add cheaper),
+    recomputed or not."""
+    from autopar.passes.pipeline_split import layer_blocks
+    from autopar.passes.recompute import recompute_plan
+    from autopar.solver.cost import CostModel
+
+    with torch.device("meta"):
+        model = hf_llama(num_hidden_layers=6, vocab_size=512, hidden_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    ids = torch.randint(0, 512, (8, 64), device="meta")
+    program = trace(model, (ids,), lm_loss, ids)
+    graph = strategies.build(program, (2,), zero=True)
+    blocks = layer_blocks(program, graph)
+    link = autopar.MeshSpec((2, 2), ("pp", "dp"), hardware="h100").link(0)
+    priced, real = [], sp.price
+    monkeypatch.setattr(sp, "price", lambda *a: priced.append(1) or real(*a))
+    for mode in ("none", "full"):
+        cost = CostModel(autopar.MeshSpec((2,), hardware="h100"), graph=graph,
+                         recompute=recompute_plan(program, graph, mode))
+        priced.clear()
+        got = sp.price_blocks(graph, cost, blocks.of_node, blocks.names, link)
+        assert len(got) == 8 and len(priced) < len(got)
+        members = {b: [n for n, k in blocks.of_node.items() if k == b] for b in range(8)}
+        cache: dict = {}
+        for b, block in enumerate(got):
+            sub = sp.subgraph(graph, members[b], {})
+            alone = real(sub, cost, sp.solve_subgraph(sub, cost, cache,
+                                                      forced=sp.without_zero(sub)))
+            assert (block.time, block.time_fixed, block.grad_sync, block.act_bytes) == \
+                (alone.time, alone.time_fixed, alone.grad_sync, alone.memory["activations"])
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_candidates_floor_is_below_every_cut(seed):
     """`candidate_floor` (whole blocks balanced as well as they can be, sends free) is below
