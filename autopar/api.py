@@ -106,9 +106,9 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs=(), loss_fn=
 
     if isinstance(mesh, Cluster):
         trace_at(1)  # before the search forks its workers: they share this trace
-        return search_mesh(mesh, plan_step, options, _layers(pipeline_trace, options) if
-                           mesh.pipeline is not False else None, lambda spec: relaxed_step(
-                               pipeline_trace, batch_size(example_inputs), spec, options))
+        return search_mesh(mesh, plan_step, options, _layers(pipeline_trace, options, mesh),
+                           lambda spec: relaxed_step(pipeline_trace, batch_size(example_inputs),
+                                                     spec, options))
     if not isinstance(mesh, MeshSpec):
         mesh = MeshSpec.from_device_mesh(mesh)
     try:
@@ -130,10 +130,14 @@ def plan(model: nn.Module, mesh: MeshSpec | Cluster, example_inputs=(), loss_fn=
     return plan_on(mesh)
 
 
-def _layers(pipeline_trace, options: PlanOptions) -> int | None:
+def _layers(pipeline_trace, options: PlanOptions, cluster: Cluster) -> int | None:
     """The model's number of layers, from its pipelined trace (every layer traced), made
     before a mesh search forks its workers so that its pipelined candidates share it; None
-    when that trace fails (each pipelined candidate then says why on its row)."""
+    when that trace fails (each pipelined candidate then says why on its row, where the
+    cluster asks for them), or when the cluster tries no pipelines, or by default where the
+    options are ones pipelines do not take (per-rank inputs)."""
+    if cluster.pipeline is False or cluster.pipeline is None and options.per_rank_inputs:
+        return None
     try:
         return layer_count(pipeline_trace(options.microbatches or 1))
     except Exception:  # noqa: BLE001 - reported per candidate, by the same trace

@@ -278,6 +278,7 @@ def relaxed_step(trace_at, batch: int, mesh: MeshSpec, options: PlanOptions) -> 
     each microbatch (a smaller one is no more efficient). Each block is solved alone, its
     inputs where it likes them; the stages' ILPs keep the placements the stage before
     produces, which can only cost more."""
+    _refuse_options(options)  # (a pipeline that cannot run is not bounded: it says why)
     m0 = options.microbatches or 1
     at = _setting(mesh, options, batch, options.microbatches, "none")
     priced = _priced_blocks(trace_at(m0), at, m0)[3]

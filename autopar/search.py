@@ -181,7 +181,19 @@ def _plan_one(i: int, state=None, progress=None, beat: float | None = None
         return None, str(e).splitlines()[0][:200], time.perf_counter() - start, None
     except Outpaced as e:
         return None, f"bounded: {e}"[:200], time.perf_counter() - start, None
+    except Exception as e:  # noqa: BLE001 - see _cannot_pipeline
+        return None, _cannot_pipeline(mesh, e), time.perf_counter() - start, None
     return plan, "", time.perf_counter() - start, state
+
+
+def _cannot_pipeline(mesh: MeshSpec, e: Exception) -> str:
+    """Why a pipelined candidate has no plan, where planning it raised `e` (re-raised for a
+    candidate without stages): a pipeline the model or the options cannot have (what
+    pipelines do not support yet) is one candidate the search passes over, saying why on
+    its row, as it does one that does not fit."""
+    if mesh.pipeline_dim is None:
+        raise e
+    return f"{type(e).__name__}: {str(e).splitlines()[0]}"[:200]
 
 
 def _floor_one(i: int, progress=None) -> tuple[float | None, str, float]:
@@ -195,6 +207,8 @@ def _floor_one(i: int, progress=None) -> tuple[float | None, str, float]:
         return _FORKED["floor_for"](mesh), "", time.perf_counter() - start
     except (NoFeasiblePlan, StageError) as e:
         return None, str(e).splitlines()[0][:200], time.perf_counter() - start
+    except Exception as e:  # noqa: BLE001 - see _cannot_pipeline
+        return None, _cannot_pipeline(mesh, e), time.perf_counter() - start
 
 
 def _plan_all(meshes: list[MeshSpec], plan_for, options: PlanOptions,

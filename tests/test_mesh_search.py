@@ -48,6 +48,23 @@ def test_pipelined_candidates_by_default_where_the_layers_can_be_cut():
     assert pps(dataclasses.replace(default, pipeline=True), None) == [2, 4, 8, 16]
 
 
+def test_a_pipeline_the_options_cannot_have_is_a_row_not_a_failed_search():
+    """Per-rank inputs, which pipelines do not take yet: by default the search tries no
+    pipelined mesh; asked to, each says why on its row and the search returns the best of
+    the others."""
+    model, example = _gpt()
+    default = autopar.plan(model, autopar.Cluster(4, hardware="h100"), example,
+                           loss_fn=lm_loss, per_rank_inputs=("dp",), search_workers=1)
+    assert not any("pp" in r["names"] for r in default.mesh_search)
+    asked = autopar.plan(model, autopar.Cluster(4, hardware="h100", pipeline=True), example,
+                         loss_fn=lm_loss, per_rank_inputs=("dp",), search_workers=1)
+    piped = [r for r in asked.mesh_search if "pp" in r["names"]]
+    assert piped and asked.mesh.pipeline_dim is None and asked.hash() == default.hash()
+    for r in piped:
+        assert r["step_time"] is None and r["why"].startswith(
+            "ValueError: per-rank inputs are not supported with a pp mesh dimension"), r
+
+
 @pytest.mark.parametrize("devices,hardware", [(6, "cpu"), (3, "h100"), (7, "h100")])
 def test_part_of_one_node_is_a_cluster(devices, hardware):
     """Fewer devices than a node holds (6 gloo processes on a 64-core machine, 3 GPUs of
