@@ -128,8 +128,8 @@ def search_mesh(cluster: Cluster, plan_for, options: PlanOptions,
     tried = []
     best: Plan | None = None
     meshes = candidate_meshes(cluster, layers)
-    for mesh, (plan, why, seconds) in zip(meshes, _plan_all(meshes, plan_for, options,
-                                                                      floor_for)):
+    planned = _plan_all(meshes, plan_for, options, floor_for)
+    for mesh, (plan, why, seconds) in zip(meshes, planned):
         row = {"shape": list(mesh.shape), "names": list(mesh.names)}
         if plan is None:
             row.update(step_time=None, peak_memory=None, why=why)

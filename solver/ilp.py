@@ -483,9 +483,10 @@ def silenced_stdout():
 
 
 # Seconds a linear relaxation is solved without presolve before it is solved with it: without,
-# HiGHS solves these in 0.1-1.1 s, 1.5-9x faster than with (Llama-3 70B levels on (8, 8)), but
-# it can stall on one (Llama-3 405B over 256 x 8 H100s, selective recomputation over 2
-# microbatches: no answer in 60 s, where with presolve it proves it infeasible in 0.55 s).
+# HiGHS solves these in 0.1-1.8 s (Llama-3 70B and 405B levels), 1.5-9x faster than with
+# (70B on (8, 8)), but it can stall on one (405B over 256 x 8 H100s, selective recomputation
+# over 2 microbatches: no answer in 60 s, where with presolve it proves it infeasible in
+# 0.55 s).
 RELAX_SECONDS = 3.0
 
 # The exact overlap solve is tried on problems of at most this many variables (the tests'
