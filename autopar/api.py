@@ -18,7 +18,7 @@ from .mesh import MeshSpec
 from .options import PlanOptions
 from .originals import release
 from .parallelized import Parallelized, PlanMismatchError, batch_size, pipeline_tracer
-from .pipeline_plan import relaxed_step, solve_pipeline_plan
+from .pipeline_plan import refuse_options, relaxed_step, solve_pipeline_plan
 from .plan import Plan
 from .planner import plan_round, solve_accumulated, start_rounds
 from .progress import Progress
@@ -135,9 +135,14 @@ def _layers(pipeline_trace, options: PlanOptions, cluster: Cluster) -> int | Non
     before a mesh search forks its workers so that its pipelined candidates share it; None
     when that trace fails (each pipelined candidate then says why on its row, where the
     cluster asks for them), or when the cluster tries no pipelines, or by default where the
-    options are ones pipelines do not take (per-rank inputs)."""
-    if cluster.pipeline is False or cluster.pipeline is None and options.per_rank_inputs:
+    options are ones pipelines do not take (pipeline_plan.py `refuse_options`)."""
+    if cluster.pipeline is False:
         return None
+    if cluster.pipeline is None:
+        try:
+            refuse_options(options)
+        except ValueError:
+            return None
     try:
         return layer_count(pipeline_trace(options.microbatches or 1))
     except Exception:  # noqa: BLE001 - reported per candidate, by the same trace

@@ -207,7 +207,7 @@ def _solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, options: PlanOpti
                          ) -> tuple[Plan, StrategyGraph]:
     """`solve_pipeline_plan` in the randomness `options` say, recomputing every stage's
     layer blocks in mode `recompute`; the plan and the graph of one microbatch."""
-    _refuse_options(options)
+    refuse_options(options)
     kept = running.pipeline if running is not None else None
     microbatches = options.microbatches
     if kept is not None:
@@ -231,7 +231,7 @@ def _solve_pipeline_plan(trace_at, batch: int, mesh: MeshSpec, options: PlanOpti
                                solver="random" if draw else options.solver.upper()), cut.graph
 
 
-def _refuse_options(options: PlanOptions) -> None:
+def refuse_options(options: PlanOptions) -> None:
     """ValueError for the options a pipelined plan does not support yet."""
     if options.per_rank_inputs:
         raise ValueError("per-rank inputs are not supported with a pp mesh dimension yet: pass "
@@ -278,7 +278,7 @@ def relaxed_step(trace_at, batch: int, mesh: MeshSpec, options: PlanOptions) -> 
     each microbatch (a smaller one is no more efficient). Each block is solved alone, its
     inputs where it likes them; the stages' ILPs keep the placements the stage before
     produces, which can only cost more."""
-    _refuse_options(options)  # (a pipeline that cannot run is not bounded: it says why)
+    refuse_options(options)  # (a pipeline that cannot run is not bounded: it says why)
     m0 = options.microbatches or 1
     at = _setting(mesh, options, batch, options.microbatches, "none")
     priced = _priced_blocks(trace_at(m0), at, m0)[3]
