@@ -10,6 +10,7 @@ collective of a step, the cost by kind with the seconds hidden under compute
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -185,3 +186,19 @@ def hidden_seconds(cost: CostModel, total: Split, side: dict[tuple[str, str], fl
             out[k] += hidden * t / whole
     return {k: t for k, t in out.items() if t}
 
+
+def accumulated(plan: Plan, m: int) -> Plan:
+    """`plan` (priced for one microbatch) as a step of `m` microbatches: compute and
+    collectives m times, gradient synchronization once; memory as for one microbatch."""
+    if m == 1:
+        return plan
+    cost = plan.cost
+    comm = {k: v * (1 if k == "gradient_sync" else m) for k, v in cost.communication.items()}
+    # what hid under one microbatch's compute hides under each one's (gradient
+    # synchronization under the last one's backward)
+    hidden = {k: v * (1 if k == "gradient_sync" else m) for k, v in cost.hidden.items()}
+    compute = cost.compute * m
+    priced = dataclasses.replace(cost, compute=compute, compute_forward=cost.compute_forward * m,
+                                 communication=comm, hidden=hidden,
+                                 step_time=compute + sum(comm.values()) - sum(hidden.values()))
+    return dataclasses.replace(plan, cost=priced, accumulation=m)

@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from autopar.passes.placement import Placements, R, Shard
 from autopar.passes.trace import TraceError
+
+if TYPE_CHECKING:
+    from .mesh import MeshSpec
+    from .options import PlanOptions
 
 
 @dataclass(frozen=True)
@@ -176,3 +182,19 @@ def microbatch(call: Call, m: int, i: int = 0) -> Call:
         return t.narrow(0, i * size, size)
     return Call(tuple(part(t) for t in call.args), tuple((k, part(t)) for k, t in call.kwargs),
                 None if call.target is None else part(call.target))
+
+
+def input_placement(mesh: MeshSpec, options: PlanOptions) -> Placements | None:
+    """Where per-rank inputs arrive: dimension 0 split over the named mesh dimensions (None:
+    global inputs)."""
+    if not options.per_rank_inputs:
+        return None
+    for name in options.per_rank_inputs:
+        if name not in mesh.names:
+            raise ValueError(f"per_rank_inputs names mesh dimension {name!r}; the mesh has "
+                             f"{', '.join(mesh.names)}")
+    if len(set(options.per_rank_inputs)) != len(options.per_rank_inputs):
+        raise ValueError(f"per_rank_inputs names a dimension twice: {options.per_rank_inputs}")
+    return tuple(Shard(0) if n in options.per_rank_inputs and s > 1 else R
+                 for n, s in zip(mesh.names, mesh.shape))
+

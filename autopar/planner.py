@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from autopar.passes import strategies as strat_pass
 from autopar.passes.batch_local import split_problem
 from autopar.passes.cluster import cluster
-from autopar.passes.placement import Placements, R, Shard
+from autopar.passes.placement import Placements
 from autopar.passes.recompute import NONE as NO_RECOMPUTE
 from autopar.passes.recompute import recompute_plan
 from autopar.passes.strategies import PARAM, StrategyGraph
@@ -41,9 +42,10 @@ from autopar.solver.stages import divisors
 from .choice import choice_from_plan, kept_storage
 from .collector import planning
 from .costing import cost_model, eager_could_fit, measured, profiler
-from .describe import describe
+from .describe import accumulated, describe
 from .force import styles_by_dim
-from .inputs import indivisible
+from .foresight import FORESEE_NODES, Foresight
+from .inputs import indivisible, input_placement
 from .mesh import MeshSpec
 from .options import RECOMPUTE, PlanOptions
 from .pipeline_plan import BINDING, solve_pipeline_plan
@@ -71,16 +73,16 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
                diagnose: bool = True, bounds: list[float] | None = None,
                fastest: list[dict[str, int]] | None = None,
                beat: float | None = None,
-               relax_only: bool = False) -> tuple[Plan | None, StrategyGraph]:
+               prepared: "_Level | None" = None) -> tuple[Plan, StrategyGraph]:
     """Build strategies, solve the ILP and describe the result.
 
     With `beat` (seconds of a whole step: the fastest plan a search found so far; infinite
     where none is found yet but memory is known to bind), the ILP's linear relaxation is
-    solved first (solver/ilp.py `relaxed_bound`): when no plan of this level can step
-    LEVEL_GAP faster than `beat` it raises Outpaced, and when not even the relaxation fits
-    the budget, NoFeasiblePlan (unless `diagnose`, which solves the ILP to say why), without
-    the integer solves. With `relax_only` nothing more: (None, the graph) when the
-    relaxation neither outpaces nor overflows.
+    solved first (`relaxed_floor`): when no plan of this level can step LEVEL_GAP faster
+    than `beat` it raises Outpaced, and when not even the relaxation fits the budget,
+    NoFeasiblePlan (unless `diagnose`, which solves the ILP to say why), without the integer
+    solves. `prepared`: this level's problem as `level_problem` built it (its relaxation
+    solved already: `beat` is then not looked at).
 
     With `unbounded` only the plan the ILP chooses without the memory budget is tried
     (solver/ilp.py `solve`'s `unbounded_only`): a search step skipped when memory binds.
@@ -104,17 +106,53 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
     level of a search (solver/ilp.py `solve`).
     """
     options = options or PlanOptions()
+    if options.solver == "random" and prepared is None:
+        styles_by_dim(mesh, options.force)  # a bad force fails before the work
+        graph, cost = priced_level(program, mesh, options, recompute, reshard, accumulation)
+        kept = kept_storage(graph, program, storage, zero)
+        return _drawn(program, graph, mesh, cost, kept, _budget(mesh, options), options), graph
+    level = prepared or level_problem(program, mesh, options, storage=storage, zero=zero,
+                                      fold_layers=fold_layers, recompute=recompute,
+                                      reshard=reshard, accumulation=accumulation,
+                                      relax=_relaxes(beat, diagnose))
+    if _relaxes(beat, diagnose) and prepared is None and level.relaxed:
+        _outpaced(level, beat, accumulation, diagnose, recompute)
+    graph, clusters, budget = level.graph, level.clusters, level.budget
+    sol, choice, cost, memory = _solve_within(level, reshard, unbounded, diagnose, bounds,
+                                              fastest if fastest is not None else [])
+    plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
+                    options=options, memory=memory, twin=clusters.twin)
+    _check_fits(plan, budget, options)
+    found = alternatives(graph, cost, choice, forced=level.forced,
+                         discouraged=level.discouraged, memory_budget=budget,
+                         peak=plan.cost.peak_memory, twin=clusters.twin)
+    plan.alternatives = compact({program.params.get(n, n): rows for n, rows in found.items()})
+    Progress(options.progress)(f"solved in {sol.solve_time:.1f} s: predicted step "
+                               f"{plan.cost.step_time * 1e3:.1f} ms")
+    return plan, graph
+
+
+def _relaxes(beat: float | None, diagnose: bool) -> bool:
+    """Whether a level's relaxation can decide anything: against a plan found (`beat`), or
+    as the proof that nothing fits where the integer solve would not say why."""
+    return beat is not None and (beat != float("inf") or not diagnose)
+
+
+def level_problem(program: TracedProgram, mesh: MeshSpec, options: PlanOptions, *,
+                  storage: dict[str, Placements] | None = None,
+                  zero: dict[str, int] | None = None, fold_layers: bool = True,
+                  recompute: str | None = None, reshard: bool = False, accumulation: int = 1,
+                  relax: bool = False) -> "_Level":
+    """One level's problem for `solve_plan` (its arguments): the strategy graph priced, the
+    strategies forced and discouraged, the clustering and the ILP's prices; with `relax`
+    priced for its linear relaxation too (`relaxed_floor`), unless styles are forced
+    (their penalties are no seconds of a step)."""
     report = Progress(options.progress)
     styles = styles_by_dim(mesh, options.force)  # a bad force fails before the work
     shape = "x".join(map(str, mesh.shape))
     report(f"strategies for {len(program.graph.nodes)} graph nodes on mesh {shape}")
     graph, cost = priced_level(program, mesh, options, recompute, reshard, accumulation)
-    budget = options.memory_budget
-    if budget is None:
-        budget = mesh.profile.memory_budget
     kept = kept_storage(graph, program, storage, zero)
-    if options.solver == "random":
-        return _drawn(program, graph, mesh, cost, kept, budget, options), graph
     forced, discouraged = allowed_strategies(graph, styles)
     for n, ks in kept.items():
         forced[n] = sorted(set(ks) & set(forced.get(n, ks))) or ks
@@ -123,24 +161,16 @@ def solve_plan(program: TracedProgram, mesh: MeshSpec, options: PlanOptions | No
            f"{sum(len(v.strategies) for v in graph.nodes.values())} candidate strategies, "
            f"{len(set(clusters.owner.values()))} decisions ({options.solver}, at most "
            f"{options.time_limit:g} s)")
-    # (a level's relaxation, with `beat` given: penalties are no seconds of a step)
-    relax = beat is not None and not discouraged
-    level = _Level(graph, cost, budget, forced, discouraged, clusters, options,
-                   priced_problem(graph, cost, clusters, forced, discouraged, relaxation=relax))
-    if relax:
-        _outpaced(level, beat, accumulation, diagnose, recompute)
-    if relax_only:
-        return None, graph
-    sol, choice, cost, memory = _solve_within(level, reshard, unbounded, diagnose, bounds,
-                                              fastest if fastest is not None else [])
-    plan = describe(program, graph, mesh, cost, choice, sol, memory_budget=budget,
-                    options=options, memory=memory, twin=clusters.twin)
-    _check_fits(plan, budget, options)
-    found = alternatives(graph, cost, choice, forced=forced, discouraged=discouraged,
-                         memory_budget=budget, peak=plan.cost.peak_memory, twin=clusters.twin)
-    plan.alternatives = compact({program.params.get(n, n): rows for n, rows in found.items()})
-    report(f"solved in {sol.solve_time:.1f} s: predicted step {plan.cost.step_time * 1e3:.1f} ms")
-    return plan, graph
+    relax = relax and not discouraged
+    return _Level(graph, cost, _budget(mesh, options), forced, discouraged, clusters, options,
+                  priced_problem(graph, cost, clusters, forced, discouraged, relaxation=relax),
+                  relax)
+
+
+def _budget(mesh: MeshSpec, options: PlanOptions) -> float:
+    """Bytes per device a plan may use: the options', else the mesh's hardware's."""
+    budget = options.memory_budget
+    return mesh.profile.memory_budget if budget is None else budget
 
 
 @dataclass
@@ -157,6 +187,7 @@ class _Level:
     clusters: object
     options: PlanOptions
     problem: object
+    relaxed: bool = False  # priced for its linear relaxation too (`relaxed_floor`)
 
 
 def _drawn(program: TracedProgram, graph: StrategyGraph, mesh: MeshSpec, cost: CostModel,
@@ -176,17 +207,33 @@ def _outpaced(level: _Level, beat: float, accumulation: int, diagnose: bool,
     """Outpaced when the level's linear relaxation says none of its plans steps LEVEL_GAP
     faster than `beat`; NoFeasiblePlan (without `diagnose`) when not even the relaxation fits
     the budget (with it, the integer solve says why)."""
-    options = level.options
     try:
-        floor = relaxed_bound(level.graph, level.cost, level.problem, level.budget,
-                              level.clusters, accumulation, options.time_limit) * accumulation
-    except NoFeasiblePlan as e:
+        floor = relaxed_floor(level, accumulation)
+    except NoFeasiblePlan:
         if not diagnose:
-            raise NoFeasiblePlan(str(e), "activations", True) from e
+            raise
         return
+    outpace(floor, beat, recompute or level.options.recompute, accumulation)
+
+
+def relaxed_floor(level: _Level, accumulation: int) -> float:
+    """Seconds of a step of `accumulation` microbatches below which no plan of `level` (built
+    with `relax`) goes: its linear relaxation (solver/ilp.py `relaxed_bound`). Raises
+    NoFeasiblePlan, as if activations mattered, when not even the relaxation fits."""
+    try:
+        return relaxed_bound(level.graph, level.cost, level.problem, level.budget,
+                             level.clusters, accumulation,
+                             level.options.time_limit) * accumulation
+    except NoFeasiblePlan as e:
+        raise NoFeasiblePlan(str(e), "activations", True) from e
+
+
+def outpace(floor: float, beat: float, recompute: str | None, accumulation: int) -> None:
+    """Outpaced when a level whose plans step no faster than `floor` cannot step LEVEL_GAP
+    faster than `beat`."""
     if floor * (1 + LEVEL_GAP) >= beat:
-        raise Outpaced(f"no plan recomputing {recompute or options.recompute or 'none'}"
-                       f" over {accumulation} microbatch(es) steps under {floor:.4g} s")
+        raise Outpaced(f"no plan recomputing {recompute or 'none'} over {accumulation} "
+                       f"microbatch(es) steps under {floor:.4g} s")
 
 
 def _solve_within(level: _Level, reshard: bool, unbounded: bool, diagnose: bool,
@@ -349,8 +396,17 @@ def solve_accumulated(trace_at, batch: int | None, mesh: MeshSpec,
 
     def accumulated(opts: PlanOptions):
         rounds = start_rounds(batch, opts, accumulate)
-        while not rounds.done:
-            rounds = plan_round(trace_at, mesh, opts, rounds, storage=storage, zero=zero)
+        ahead = Foresight(lambda wanted: foreseen(trace_at, mesh, opts, wanted)) \
+            if len(rounds.counts) > 1 and len(rounds.levels) > 1 and Foresight.possible() and \
+            opts.solver != "random" and not opts.force and storage is None and zero is None \
+            else None
+        try:
+            while not rounds.done:
+                rounds = plan_round(trace_at, mesh, opts, rounds, storage=storage, zero=zero,
+                                    ahead=ahead)
+        finally:
+            if ahead is not None:
+                ahead.cancel()
         return rounds.result()
 
     found = accumulated(options)
@@ -426,9 +482,12 @@ def start_rounds(batch: int | None, options: PlanOptions, accumulate: bool = Tru
 @planning
 def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *,
                storage: dict[str, Placements] | None = None,
-               zero: dict[str, int] | None = None) -> Rounds:
+               zero: dict[str, int] | None = None, ahead: Foresight | None = None) -> Rounds:
     """`rounds` after planning its next microbatch count (see `solve_accumulated`); raises
-    NoFeasiblePlan where nothing can fit."""
+    NoFeasiblePlan where nothing can fit. With `ahead` (a large program planned on one
+    mesh: autopar/foresight.py) the next count's relaxations are worked out in a child
+    while this count is planned, and this count's are taken from its child where one
+    worked them out: the count is then traced only when a level is left to solve."""
     m = rounds.counts[rounds.next]
     levels, recompute = rounds.levels, rounds.recompute()
     # (checked before tracing a microbatch, which may not trace: a captured whole-batch mask)
@@ -444,7 +503,20 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
                                rounds.error.dominant, rounds.error.activations_matter) \
             if rounds.error is not None else rounds.error
         return dataclasses.replace(rounds, error=error, done=True)
-    program = trace_at(m)
+    known = ahead.known(m) if ahead is not None else None
+    traces = []
+
+    def program() -> TracedProgram:  # traced when first needed
+        if not traces:
+            traces.append(trace_at(m))
+        return traces[0]
+
+    if ahead is not None and not rounds.found and \
+            (known is not None or len(program().graph.nodes) >= FORESEE_NODES):
+        ahead.start(_foreseeable(rounds))  # no plan yet: the next count may follow
+        known = ahead.known(m)
+    elif known is None:
+        program()
     found, error = list(rounds.found), rounds.error
     plain = False  # a plan fits at this count without recomputing more than levels[0]
     # Each level only adds work to every plan (parameters gathered again, ops recomputed):
@@ -452,7 +524,8 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
     bounds: list[float] = []
     unbudgeted: list[dict[str, int]] = []  # each level's fastest plan (one graph per count)
     fastest = float("inf")  # of the plans found at this count, per microbatch
-    relaxed = _first_freeing(program, mesh, options, rounds, m, storage, zero)
+    relaxed = _first_freeing(program, mesh, options, rounds, m, storage, zero, known,
+                             ahead is not None and bool(ahead.children))
     for i, (level, reshard) in enumerate(levels):
         if i < 2 and isinstance(relaxed, NoFeasiblePlan):
             error = relaxed
@@ -462,7 +535,8 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
         if i and bounds and bounds[0] * (1 + LEVEL_GAP) >= fastest:
             continue  # no plan at this level can be LEVEL_GAP faster than one that fits
         if found and level != levels[0][0] and \
-                m * level_floor(program, mesh, options, level) * (1 + LEVEL_GAP) \
+                m * _known(known, ("floor", level), lambda lv=level: level_floor(
+                    program(), mesh, options, lv)) * (1 + LEVEL_GAP) \
                 >= min(f[0].cost.step_time for f in found):
             continue  # no plan recomputing this much can beat one that fits already
         # A level after the first first solves its relaxation: no faster than a plan found
@@ -472,17 +546,22 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
         # at every count: its relaxation within LEVEL_GAP of a plan found once hid a plan
         # 1.4% faster that forced FSDP found, Megatron's 1.7B over 32 A100s.)
         best = min((f[0].cost.step_time for f in found), default=float("inf"))
+        beat = best if i and not (i == 1 and relaxed) else None
         try:
+            outcome = known((level, reshard)) if known and beat is not None else None
+            if outcome is not None:
+                beat = _foreseen_beat(outcome, beat, level, m, diagnose=i == len(levels) - 1)
             # When the fastest plan keeping every parameter gathered does not fit, freeing
             # (the next level) is where memory is found: no budgeted solve at this one.
             # Why nothing fits is worked out at the last level only (the others go on).
-            plan, graph = solve_plan(program, mesh, options, storage=storage, zero=zero,
+            plan, graph = solve_plan(program(), mesh, options, storage=storage, zero=zero,
                                      recompute=level, reshard=reshard, accumulation=m,
                                      unbounded=not reshard and len(levels) > 1 and
                                      levels[1][1], diagnose=i == len(levels) - 1,
                                      bounds=bounds if i == 0 else None,
-                                     fastest=unbudgeted,
-                                     beat=best if i and not (i == 1 and relaxed) else None)
+                                     fastest=unbudgeted, beat=beat,
+                                     prepared=relaxed if i == 1 and
+                                     isinstance(relaxed, _Level) else None)
         except Outpaced:
             continue
         except NoFeasiblePlan as e:
@@ -496,7 +575,7 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
             raise NoFeasiblePlan(f"with gradient accumulation over {m} microbatches (the "
                                  f"fewest that shrink the activations enough): {e}",
                                  e.dominant, e.activations_matter) from None
-        found.append((accumulated(plan, m), graph, program, level))
+        found.append((accumulated(plan, m), graph, program(), level))
         fastest = min(fastest, plan.cost.step_time)
         plain = plain or level == recompute[0]
         if plan.cost.peak_memory < BINDING * plan.cost.memory_budget:
@@ -509,27 +588,95 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
                                since=since, done=done)
 
 
-def _first_freeing(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
-                   rounds: Rounds, m: int, storage, zero):
-    """At a microbatch count after a plan was found, when the first level keeps every
-    parameter gathered and the second frees them, the second's linear relaxation, solved
-    first: NoFeasiblePlan when not even it fits (then neither level has a plan that fits:
-    every plan of the first is one of the second's, its parameters kept gathered, so its
-    fastest plan without the budget need not be solved), Outpaced when the second cannot
-    beat a plan found, True when it may (the second level is then solved without its
-    relaxation again); None where it does not apply. (Llama-3 70B on (8, 8), bf16-mixed:
-    1.6 s of solving the first level at 2 microbatches.)"""
+def _first_freeing(program, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, m: int,
+                   storage, zero, known, foreseeing: bool):
+    """When the first level keeps every parameter gathered and the second frees them, the
+    second's linear relaxation, solved first (`program()` the count's program, `known` its
+    relaxations where a child worked them out): NoFeasiblePlan when not even it fits (then
+    neither level has a plan that fits: every plan of the first is one of the second's, its
+    parameters kept gathered, so its fastest plan without the budget need not be solved),
+    Outpaced when the second cannot beat a plan found, the second level's problem (for
+    `solve_plan`'s `prepared`) or True when it may; None where it does not apply: at the
+    first count with a plan, or at the first count of a program planned with a child
+    `foreseeing` the next (a large program planned alone, where memory binds more often
+    than not: Llama-3 70B on (8, 8), bf16-mixed, 1.6 s of solving the first level at each
+    of 1 and 2 microbatches)."""
     levels = rounds.levels
-    if not rounds.found or len(levels) < 2 or levels[0][1] or \
+    if not (rounds.found or foreseeing) or len(levels) < 2 or levels[0][1] or \
             levels[1] != (levels[0][0], True):
         return None
-    best = min(f[0].cost.step_time for f in rounds.found)
+    best = min((f[0].cost.step_time for f in rounds.found), default=float("inf"))
+    key, prepared = levels[1], True
+    outcome = known(key) if known else None
     try:
-        solve_plan(program, mesh, options, storage=storage, zero=zero, recompute=levels[1][0],
-                   reshard=True, accumulation=m, diagnose=False, beat=best, relax_only=True)
+        if outcome is not None:
+            _foreseen_beat(outcome, best, key[0], m, diagnose=False)
+        else:
+            prepared = level_problem(program(), mesh, options, storage=storage, zero=zero,
+                                     recompute=key[0], reshard=True, accumulation=m,
+                                     relax=True)
+            if prepared.relaxed:
+                outpace(relaxed_floor(prepared, m), best, key[0], m)
     except (NoFeasiblePlan, Outpaced) as e:
         return e
-    return True
+    return prepared
+
+
+def _foreseen_beat(outcome: float | str, beat: float, recompute: str, m: int,
+                   diagnose: bool) -> float | None:
+    """A level's relaxation as a child worked it out (its floor, or why it does not fit):
+    raises what `solve_plan` would with `beat` (NoFeasiblePlan without `diagnose`, Outpaced);
+    else None, the `beat` to solve the level with (its relaxation is not solved again)."""
+    if isinstance(outcome, str):
+        if not diagnose:
+            raise NoFeasiblePlan(outcome, "activations", True)
+        return None  # the integer solve says why
+    outpace(outcome, beat, recompute, m)
+    return None
+
+
+def _known(known, key, work):
+    """`known(key)` where a child worked it out, else `work()`."""
+    value = known(key) if known else None
+    return work() if value is None else value
+
+
+def _foreseeable(rounds: Rounds) -> list[tuple]:
+    """What a child can work out for `plan_round` while it plans count m, no plan found yet
+    ((count, key) pairs, autopar/foresight.py): the relaxations of m's levels between the
+    first two and the last (the second's is solved first, and the last's problem is built
+    for its integer solve anyway), then the next count's relaxations and compute floors."""
+    m, levels = rounds.counts[rounds.next], rounds.levels
+    wanted = [(m, level) for level in levels[2:-1]]
+    if rounds.next + 1 < len(rounds.counts):
+        n = rounds.counts[rounds.next + 1]
+        wanted += [(n, level) for level in levels[1:]]
+        wanted += [(n, ("floor", mode)) for mode in
+                   dict.fromkeys(lv for lv, _ in levels if lv != levels[0][0])]
+    return wanted
+
+
+def foreseen(trace_at, mesh: MeshSpec, options: PlanOptions,
+             wanted: list[tuple]) -> Iterator[tuple]:
+    """What `plan_round` takes from a child (autopar/foresight.py): for each (count, key) of
+    `wanted` in turn, ((count, key), value): a level's relaxation floor (or why it does not
+    fit), or a recomputation mode's compute floor."""
+    options = dataclasses.replace(options, progress=False)  # (the planner reports)
+    for m, key in wanted:
+        program = trace_at(m)
+        if key[0] == "floor":
+            yield (m, key), level_floor(program, mesh, options, key[1])
+            continue
+        level = level_problem(program, mesh, options, recompute=key[0], reshard=key[1],
+                              accumulation=m, relax=True)
+        if not level.relaxed:
+            return  # forced styles: no relaxation to work out
+        try:
+            value = relaxed_floor(level, m)
+        except NoFeasiblePlan as e:
+            value = str(e)
+        del level  # (its prices, before the next is built)
+        yield (m, key), value
 
 
 def level_floor(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
@@ -547,37 +694,3 @@ def level_floor(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
 # 7 s of planning; Llama-3 8B over 32 x 2 H100s: full recomputation's floor is 0.08% below
 # the plan found, and its solve took 7 s).
 LEVEL_GAP = 0.02
-
-
-
-def accumulated(plan: Plan, m: int) -> Plan:
-    """`plan` (priced for one microbatch) as a step of `m` microbatches: compute and
-    collectives m times, gradient synchronization once; memory as for one microbatch."""
-    if m == 1:
-        return plan
-    cost = plan.cost
-    comm = {k: v * (1 if k == "gradient_sync" else m) for k, v in cost.communication.items()}
-    # what hid under one microbatch's compute hides under each one's (gradient
-    # synchronization under the last one's backward)
-    hidden = {k: v * (1 if k == "gradient_sync" else m) for k, v in cost.hidden.items()}
-    compute = cost.compute * m
-    priced = dataclasses.replace(cost, compute=compute, compute_forward=cost.compute_forward * m,
-                                 communication=comm, hidden=hidden,
-                                 step_time=compute + sum(comm.values()) - sum(hidden.values()))
-    return dataclasses.replace(plan, cost=priced, accumulation=m)
-
-
-def input_placement(mesh: MeshSpec, options: PlanOptions) -> Placements | None:
-    """Where per-rank inputs arrive: dimension 0 split over the named mesh dimensions (None:
-    global inputs)."""
-    if not options.per_rank_inputs:
-        return None
-    for name in options.per_rank_inputs:
-        if name not in mesh.names:
-            raise ValueError(f"per_rank_inputs names mesh dimension {name!r}; the mesh has "
-                             f"{', '.join(mesh.names)}")
-    if len(set(options.per_rank_inputs)) != len(options.per_rank_inputs):
-        raise ValueError(f"per_rank_inputs names a dimension twice: {options.per_rank_inputs}")
-    return tuple(Shard(0) if n in options.per_rank_inputs and s > 1 else R
-                 for n, s in zip(mesh.names, mesh.shape))
-

@@ -203,7 +203,8 @@ def cut(root: nn.Module, stack: Stack):
 
 def unfold(gm: fx.GraphModule, stack: Stack, placeholder_of: dict[str, fx.Node]
            ) -> dict[int, dict[str, fx.Node]] | None:
-    """Copy layer 1's nodes of the exported two-layer graph `gm` for layers 2..N-1, in place.
+    """Copy layer 1's nodes of the exported two-layer graph `gm` for layers 2..N-1, in place
+    (in its graph: the caller recompiles it).
     `placeholder_of` maps layer 1's parameter and buffer names (relative to the layer) to
     their placeholders. Returns, per new layer, its new placeholders by relative name; None
     (and `gm` untouched) when the graph's two layers are not alike."""
@@ -254,8 +255,7 @@ def unfold(gm: fx.GraphModule, stack: Stack, placeholder_of: dict[str, fx.Node]
         for user in list(node.users):
             if user not in inside:
                 user.replace_input_with(node, env[node])
-    graph.lint()
-    gm.recompile()
+    graph.lint()  # (the caller recompiles `gm` once its graph is final)
     return new_inputs
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -75,6 +76,66 @@ class Forked:
         os.close(self.read)
         os.waitpid(self.pid, 0)
         self.pid = None
+
+
+class ForkedStream:
+    """The items `items()` yields, computed in a forked child and read here one at a time as
+    the child sends them (`next()`): the caller goes on with its own work meanwhile and takes
+    each item when it needs it. An item that does not pickle ends the stream, as does an
+    exception (the caller computes what it lacks itself)."""
+
+    def __init__(self, items: Callable[[], Iterator[Any]]):
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+            stream.flush()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: send each item, then leave without the parent's exit hooks
+            os.close(read)
+            try:
+                with os.fdopen(write, "wb") as out:
+                    _send_all(items, out)
+            finally:
+                os._exit(0)
+        os.close(write)
+        self.pid, self.answers = pid, os.fdopen(read, "rb")
+
+    def next(self) -> Any:
+        """The child's next item (waiting for it); None when it sends no more."""
+        if self.pid is None:
+            return None
+        head = self.answers.read(8)
+        if len(head) == 8:
+            data = self.answers.read(struct.unpack("<Q", head)[0])
+            try:
+                return pickle.loads(data)
+            except Exception:  # noqa: BLE001 - cut short (the child was killed): no more
+                pass
+        self.cancel()
+        return None
+
+    def cancel(self) -> None:
+        """Stop the child (if still working) and close the stream."""
+        if self.pid is None:
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.answers.close()
+        os.waitpid(self.pid, 0)
+        self.pid = None
+
+
+def _send_all(items: Callable[[], Iterator[Any]], out) -> None:
+    """Each item pickled and written, length first, as soon as it is computed; the first
+    that raises or does not pickle ends the stream."""
+    try:
+        for item in items():
+            data = pickle.dumps(item)
+            out.write(struct.pack("<Q", len(data)) + data)
+            out.flush()
+    except Exception:  # noqa: BLE001 - the parent computes the rest itself
+        pass
 
 
 def _pickled(fn: Callable[[], Any]) -> bytes:
