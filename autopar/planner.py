@@ -513,6 +513,8 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
 
     if ahead is not None and not rounds.found and \
             (known is not None or len(program().graph.nodes) >= FORESEE_NODES):
+        if known is None:  # (the child shares this count's strategy graph)
+            strategy_graph(program(), mesh, options)
         ahead.start(_foreseeable(rounds))  # no plan yet: the next count may follow
         known = ahead.known(m)
     elif known is None:
