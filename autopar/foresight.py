@@ -20,10 +20,6 @@ from collections.abc import Callable, Iterator
 
 from autopar.passes.forked import ForkedStream, can_fork
 
-# A program of fewer graph nodes plans in about a second: a child is not worth its fork (and
-# a test suite's other workers use the spare core).
-FORESEE_NODES = 1000
-
 # What a child works out, by (microbatch count, key): for a memory level's key (its
 # recomputation, parameters freed after forward) its relaxation's floor in seconds of a step,
 # or the reason not even the relaxation fits (a str); for ("floor", mode) the compute floor

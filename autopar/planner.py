@@ -15,6 +15,7 @@ stable id (autopar/choice.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from .collector import planning
 from .costing import cost_model, eager_could_fit, measured, profiler
 from .describe import accumulated, describe
 from .force import styles_by_dim
-from .foresight import FORESEE_NODES, Foresight
+from .foresight import Foresight
 from .inputs import indivisible, input_placement
 from .mesh import MeshSpec
 from .options import RECOMPUTE, PlanOptions
@@ -504,21 +505,14 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
             if rounds.error is not None else rounds.error
         return dataclasses.replace(rounds, error=error, done=True)
     known = ahead.known(m) if ahead is not None else None
-    traces = []
-
-    def program() -> TracedProgram:  # traced when first needed
-        if not traces:
-            traces.append(trace_at(m))
-        return traces[0]
-
-    if ahead is not None and not rounds.found and \
-            (known is not None or len(program().graph.nodes) >= FORESEE_NODES):
+    program = functools.cache(lambda: trace_at(m))  # traced when first needed
+    # (a count a child works on is a large program's)
+    large = known is not None or len(program().graph.nodes) >= LARGE_PROGRAM
+    if ahead is not None and not rounds.found and large:
         if known is None:  # (the child shares this count's strategy graph)
             strategy_graph(program(), mesh, options)
         ahead.start(_foreseeable(rounds))  # no plan yet: the next count may follow
         known = ahead.known(m)
-    elif known is None:
-        program()
     found, error = list(rounds.found), rounds.error
     plain = False  # a plan fits at this count without recomputing more than levels[0]
     # Each level only adds work to every plan (parameters gathered again, ops recomputed):
@@ -526,8 +520,7 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
     bounds: list[float] = []
     unbudgeted: list[dict[str, int]] = []  # each level's fastest plan (one graph per count)
     fastest = float("inf")  # of the plans found at this count, per microbatch
-    relaxed = _first_freeing(program, mesh, options, rounds, m, storage, zero, known,
-                             ahead is not None and bool(ahead.children))
+    relaxed = _first_freeing(program, mesh, options, rounds, m, storage, zero, known, large)
     for i, (level, reshard) in enumerate(levels):
         if i < 2 and isinstance(relaxed, NoFeasiblePlan):
             error = relaxed
@@ -591,20 +584,20 @@ def plan_round(trace_at, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, *
 
 
 def _first_freeing(program, mesh: MeshSpec, options: PlanOptions, rounds: Rounds, m: int,
-                   storage, zero, known, foreseeing: bool):
+                   storage, zero, known, large: bool):
     """When the first level keeps every parameter gathered and the second frees them, the
     second's linear relaxation, solved first (`program()` the count's program, `known` its
     relaxations where a child worked them out): NoFeasiblePlan when not even it fits (then
     neither level has a plan that fits: every plan of the first is one of the second's, its
     parameters kept gathered, so its fastest plan without the budget need not be solved),
     Outpaced when the second cannot beat a plan found, the second level's problem (for
-    `solve_plan`'s `prepared`) or True when it may; None where it does not apply: at the
-    first count with a plan, or at the first count of a program planned with a child
-    `foreseeing` the next (a large program planned alone, where memory binds more often
-    than not: Llama-3 70B on (8, 8), bf16-mixed, 1.6 s of solving the first level at each
-    of 1 and 2 microbatches)."""
+    `solve_plan`'s `prepared`) or True when it may; None where it does not apply: at a
+    count before any plan was found, unless the program is `large` (LARGE_PROGRAM), where a
+    relaxation costs little beside the fastest plan without the budget it may save (Llama-3
+    70B on (8, 8) or (256, 4), bf16-mixed: 1.5 s of solving the first level, at each of 1
+    and 2 microbatches, where the second level's relaxation took 0.7 s)."""
     levels = rounds.levels
-    if not (rounds.found or foreseeing) or len(levels) < 2 or levels[0][1] or \
+    if not (rounds.found or large) or len(levels) < 2 or levels[0][1] or \
             levels[1] != (levels[0][0], True):
         return None
     best = min((f[0].cost.step_time for f in rounds.found), default=float("inf"))
@@ -696,3 +689,9 @@ def level_floor(program: TracedProgram, mesh: MeshSpec, options: PlanOptions,
 # 7 s of planning; Llama-3 8B over 32 x 2 H100s: full recomputation's floor is 0.08% below
 # the plan found, and its solve took 7 s).
 LEVEL_GAP = 0.02
+
+# A program of this many graph nodes is large: its levels take seconds to solve, their
+# relaxations a fraction of that (see `_first_freeing`), and a child is worth its fork
+# (autopar/foresight.py); a smaller one plans in about a second (and a test suite's other
+# workers use the spare core).
+LARGE_PROGRAM = 1000

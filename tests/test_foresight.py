@@ -64,9 +64,9 @@ def _gpt():
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Foresight for any program (the 4-layer GPT is below FORESEE_NODES), recorded; the
+    """Foresight for any program (the 4-layer GPT is below LARGE_PROGRAM), recorded; the
     planner's level solves counted by (microbatches, recomputation, freed)."""
-    monkeypatch.setattr(planner, "FORESEE_NODES", 0)
+    monkeypatch.setattr(planner, "LARGE_PROGRAM", 0)
     monkeypatch.setattr(planner, "Foresight", _Recorded)
     _Recorded.made = []
     solved = []
