@@ -67,15 +67,9 @@ class Forked:
 
     def cancel(self) -> None:
         """Stop the child and forget its answer (the caller failed before it needed it)."""
-        if self.pid is None:
-            return
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.close(self.read)
-        os.waitpid(self.pid, 0)
-        self.pid = None
+        if self.pid is not None:
+            _stop(self.pid, lambda: os.close(self.read))
+            self.pid = None
 
 
 class ForkedStream:
@@ -115,15 +109,20 @@ class ForkedStream:
 
     def cancel(self) -> None:
         """Stop the child (if still working) and close the stream."""
-        if self.pid is None:
-            return
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.answers.close()
-        os.waitpid(self.pid, 0)
-        self.pid = None
+        if self.pid is not None:
+            _stop(self.pid, self.answers.close)
+            self.pid = None
+
+
+def _stop(pid: int, close: Callable[[], None]) -> None:
+    """Kill child `pid` (if still running), `close` what this process reads its answer from,
+    and reap the child."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    close()
+    os.waitpid(pid, 0)
 
 
 def _send_all(items: Callable[[], Iterator[Any]], out) -> None:
